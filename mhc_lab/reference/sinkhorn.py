@@ -12,6 +12,8 @@ the rows of H_res (the forward gain) are exact and the columns carry the remaini
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mhc_lab.reference.validate import InputError, require_positive_int, require_tensor
@@ -45,8 +47,8 @@ def sinkhorn_paper(logits: torch.Tensor, iterations: int = 20) -> torch.Tensor:
         spread = (logits.amax(dim=(-2, -1)) - logits.amin(dim=(-2, -1))).max().item()
         raise InputError(
             "sinkhorn_paper: exp(logits) underflowed to an all-zero column (largest logit spread in one matrix: "
-            f"{spread:.3g}; {logits.dtype} exp underflows below about "
-            f"{torch.finfo(logits.dtype).min_exp * 0.693:.0f}). Use variant='log_domain' or 'deepseek_v4'."
+            f"{spread:.3g}; exp in {logits.dtype} underflows to 0 below about "
+            f"{math.log(torch.finfo(logits.dtype).tiny):.0f}). Use variant='log_domain' or 'deepseek_v4'."
         )
     return m
 
