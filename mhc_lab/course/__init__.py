@@ -1,0 +1,1 @@
+"""Course tools: checks, hints, measuring, recorded results, widgets, data, training, notebook build, CLI."""

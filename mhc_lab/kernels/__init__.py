@@ -1,0 +1,1 @@
+"""TileLang tile programs, one factory per kernel (compile-time parameters in, tile program out)."""

@@ -1,0 +1,1 @@
+"""Ops: wrappers that check inputs, allocate outputs and dispatch to the TileLang kernels or the references."""
