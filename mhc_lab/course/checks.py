@@ -1,0 +1,219 @@
+"""Exercise checks: one call per exercise that compares the learner's answer with the reference and explains.
+
+    from mhc_lab.course.checks import check, hint
+    check("3.2", my_sinkhorn)      # prints what passed, or raises CheckFailed with a plain message
+    hint("3.2")                    # level 1; hint("3.2", 2) says more
+
+Each exercise registers its checker together with a reference solution and the usual mistakes; the test
+suite proves for every exercise that the solution passes, the stub fails, and each usual mistake is named.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class CheckFailed(AssertionError):
+    """The answer is wrong; the message says how (shape, dtype or values) and names the usual mistake."""
+
+
+class ExerciseIncomplete(NotImplementedError):
+    """The answer is still the stub."""
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A wrong answer the checker must recognise, and a phrase its message must contain."""
+
+    answer: Any
+    says: str
+
+
+@dataclass
+class Exercise:
+    id: str
+    title: str
+    checker: Callable[[Any], Sequence[str]]
+    hints: list[str]
+    solution: Any
+    mistakes: list[Mistake] = field(default_factory=list)
+
+
+REGISTRY: dict[str, Exercise] = {}
+# Modules that register exercises, imported on first use so that a check works after a plain import.
+EXERCISE_MODULES = ("lab00", "lab01", "lab02", "lab03", "lab04", "lab05", "lab06", "lab07")
+
+# One tolerance table: (rtol, atol) for comparing a result of this dtype with a float64 reference.
+TOLERANCE = {
+    torch.float64: (1e-9, 1e-12),
+    torch.float32: (1e-4, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+
+
+def register(id: str, title: str, *, hints: Sequence[str], solution: Any, mistakes: Sequence[Mistake] = ()):
+    """Decorator: register ``checker(answer) -> list of case descriptions`` as the check of exercise ``id``."""
+
+    def decorate(checker):
+        if id in REGISTRY:
+            raise ValueError(f"exercise {id} is registered twice")
+        REGISTRY[id] = Exercise(id, title, checker, list(hints), solution, list(mistakes))
+        return checker
+
+    return decorate
+
+
+def _load_all() -> None:
+    for module in EXERCISE_MODULES:
+        try:
+            importlib.import_module(f"mhc_lab.course.exercises.{module}")
+        except ModuleNotFoundError as error:
+            if error.name != f"mhc_lab.course.exercises.{module}":
+                raise
+
+
+def get_exercise(id: str) -> Exercise:
+    if id not in REGISTRY:
+        _load_all()
+    if id not in REGISTRY:
+        raise KeyError(f"no exercise {id!r}; known: {sorted(REGISTRY, key=_order)}")
+    return REGISTRY[id]
+
+
+def all_exercises() -> list[Exercise]:
+    _load_all()
+    return [REGISTRY[k] for k in sorted(REGISTRY, key=_order)]
+
+
+def _order(id: str):
+    return tuple(int(part) for part in id.split("."))
+
+
+def run_check(id: str, answer: Any) -> list[str]:
+    """Run exercise ``id``'s checker on ``answer`` quietly; returns the passed cases or raises."""
+    exercise = get_exercise(id)
+    try:
+        return list(exercise.checker(answer))
+    except NotImplementedError as error:
+        if str(error).startswith("Exercise"):
+            raise ExerciseIncomplete(f"{error} -- not done yet: replace the `raise NotImplementedError` line") from None
+        raise
+
+
+def check(id: str, answer: Any) -> None:
+    """Check exercise ``id``; prints a one-line summary when it passes."""
+    exercise = get_exercise(id)
+    cases = run_check(id, answer)
+    print(f"Exercise {id} ({exercise.title}): passed {len(cases)} case{'s' if len(cases) != 1 else ''}.")
+
+
+def hint(id: str, level: int = 1) -> None:
+    """Print hints 1..level of exercise ``id``."""
+    exercise = get_exercise(id)
+    if not exercise.hints:
+        print(f"Exercise {id} has no hints.")
+        return
+    level = max(1, min(level, len(exercise.hints)))
+    for k in range(level):
+        print(f"Hint {k + 1}/{len(exercise.hints)} for exercise {id}: {exercise.hints[k]}")
+    if level < len(exercise.hints):
+        print(f"(hint({id!r}, {level + 1}) says more)")
+
+
+# ---- helpers the checkers share ---------------------------------------------------------------------------
+
+
+def call(answer: Callable, *args, case: str, **kwargs):
+    """Call the learner's function; an exception becomes a CheckFailed that names the case."""
+    if not callable(answer):
+        raise CheckFailed(f"expected a function, got {type(answer).__name__}")
+    try:
+        return answer(*args, **kwargs)
+    except NotImplementedError:
+        raise
+    except CheckFailed:
+        raise
+    except Exception as error:  # the learner's code failed: say where, keep their traceback
+        raise CheckFailed(f"on {case} your function raised {type(error).__name__}: {error}") from error
+
+
+def _index_str(flat_index: int, shape) -> str:
+    idx = []
+    for size in reversed(shape):
+        idx.append(flat_index % size)
+        flat_index //= size
+    return str(tuple(reversed(idx)))
+
+
+def assert_close(
+    got,
+    expected: torch.Tensor,
+    *,
+    case: str,
+    name: str = "result",
+    rtol: float | None = None,
+    atol: float | None = None,
+    check_dtype: bool = True,
+    mistakes: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Compare a tensor with the expected one: type, shape, dtype, NaN, values; name a recognised mistake."""
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"{case}: expected {name} to be a torch.Tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(expected.shape):
+        message = f"{case}: expected {name} of shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+        raise CheckFailed(message + _recognise(got, mistakes))
+    if check_dtype and got.dtype != expected.dtype:
+        raise CheckFailed(f"{case}: expected {name} of dtype {expected.dtype}, got {got.dtype}")
+    default_rtol, default_atol = TOLERANCE.get(expected.dtype, (1e-4, 1e-5))
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    g, e = got.detach().to(torch.float64).cpu(), expected.detach().to(torch.float64).cpu()
+    if torch.isnan(g).any() and not torch.isnan(e).any():
+        where = _index_str(int(torch.isnan(g).flatten().nonzero()[0]), g.shape)
+        raise CheckFailed(f"{case}: {name} has NaN at index {where}; the expected values are all finite")
+    diff = (g - e).abs()
+    bad = diff > atol + rtol * e.abs()
+    if bad.any():
+        worst = int(diff.flatten().argmax())
+        where = _index_str(worst, g.shape)
+        message = (
+            f"{case}: {name} differs in {int(bad.sum())} of {bad.numel()} entries; largest difference "
+            f"{diff.flatten()[worst].item():.3g} at index {where}: expected {e.flatten()[worst].item():.6g}, "
+            f"got {g.flatten()[worst].item():.6g}"
+        )
+        raise CheckFailed(message + _recognise(got, mistakes))
+
+
+def _recognise(got: torch.Tensor, mistakes: dict[str, torch.Tensor] | None) -> str:
+    if not mistakes:
+        return ""
+    g = got.detach().to(torch.float64).cpu()
+    for explanation, wrong in mistakes.items():
+        w = wrong.detach().to(torch.float64).cpu()
+        if g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-6):
+            return f". This looks like the usual mistake: {explanation}"
+    return ""
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed: int, dtype=torch.float64, scale: float = 1.0) -> torch.Tensor:
+    """Seeded normal random numbers (never zeros), the same on every machine."""
+    return (torch.randn(*shape, generator=seeded(seed), dtype=torch.float64) * scale).to(dtype)
+
+
+def expect_number(got, expected: float, *, case: str, name: str, rel: float = 1e-6, explain: str = "") -> None:
+    """Compare a number (a prediction, a count) with the expected one; ``explain`` says why they can differ."""
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        raise CheckFailed(f"{case}: expected {name} to be a number, got {type(got).__name__}") from None
+    if abs(value - expected) > rel * max(abs(expected), 1e-12):
+        raise CheckFailed(f"{case}: expected {name} = {expected:.6g}, got {value:.6g}. {explain}".rstrip())

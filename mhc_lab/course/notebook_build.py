@@ -1,0 +1,120 @@
+"""Single source: write the student notebooks in labs/ from the solution notebooks in solutions/.
+
+A solution region in a code cell is marked by two lines:
+
+    ### BEGIN SOLUTION (Exercise 3.2: normalise the columns)
+    ...the answer...
+    ### END SOLUTION
+
+The build replaces each region by ``raise NotImplementedError("Exercise 3.2: normalise the columns")`` at the
+marker's indentation, keeps every other line of every cell as it is, and strips outputs and execution counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION \((?P<label>Exercise (?P<id>\d+\.\d+): [^)\n]+)\)[ \t]*$")
+END = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
+ANY_MARKER = re.compile(r"###\s*(BEGIN|END)\s+SOLUTION")
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTIONS_DIR = ROOT / "solutions"
+LABS_DIR = ROOT / "labs"
+
+
+class MarkerError(ValueError):
+    """A solution marker is malformed, unbalanced or nested; the message names the notebook and cell."""
+
+
+@dataclass(frozen=True)
+class SolutionRegion:
+    exercise: str  # "3.2"
+    label: str  # "Exercise 3.2: normalise the columns"
+    cell_index: int
+    text: str  # the lines between the markers
+
+
+def split_regions(source: str, where: str = "cell") -> tuple[str, list[tuple[str, str, str]]]:
+    """Return (stubbed source, [(exercise id, label, solution text), ...]) for one cell's source."""
+    out, regions = [], []
+    lines = source.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        begin = BEGIN.match(line.rstrip("\n"))
+        if begin is None:
+            if ANY_MARKER.search(line):
+                raise MarkerError(
+                    f"{where}, line {i + 1}: expected '### BEGIN SOLUTION (Exercise k.m: title)' or a matching "
+                    f"'### END SOLUTION', got {line.strip()!r}"
+                )
+            out.append(line)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not END.match(lines[j].rstrip("\n")):
+            if ANY_MARKER.search(lines[j]):
+                raise MarkerError(f"{where}, line {j + 1}: solution regions cannot nest ({lines[j].strip()!r})")
+            j += 1
+        if j == len(lines):
+            raise MarkerError(f"{where}, line {i + 1}: '### BEGIN SOLUTION' has no '### END SOLUTION'")
+        indent, label = begin.group("indent"), begin.group("label")
+        newline = "\n" if lines[j].endswith("\n") else ""
+        out.append(f'{indent}raise NotImplementedError("{label}"){newline}')
+        regions.append((begin.group("id"), label, "".join(lines[i + 1 : j])))
+        i = j + 1
+    return "".join(out), regions
+
+
+def build_lab(solution: nbformat.NotebookNode, name: str = "notebook"):
+    """Return (lab notebook, solution regions) for one solution notebook."""
+    lab = copy.deepcopy(solution)
+    regions: list[SolutionRegion] = []
+    for index, cell in enumerate(lab.cells):
+        if cell.cell_type == "code":
+            source, found = split_regions(cell.source, where=f"{name}, cell {index}")
+            cell.source = source
+            cell.outputs = []
+            cell.execution_count = None
+            regions += [SolutionRegion(ex, label, index, text) for ex, label, text in found]
+        elif ANY_MARKER.search(cell.source):
+            raise MarkerError(f"{name}, cell {index}: solution markers belong in code cells only")
+        for key in ("execution", "papermill", "collapsed", "scrolled"):
+            cell.metadata.pop(key, None)
+    lab.metadata.pop("papermill", None)
+    return lab, regions
+
+
+def notebook_text(nb: nbformat.NotebookNode) -> str:
+    return nbformat.writes(nb, version=4) + "\n"
+
+
+def solution_notebooks(directory: Path = SOLUTIONS_DIR) -> list[Path]:
+    return sorted(Path(directory).glob("[0-9][0-9]_*.ipynb"))
+
+
+def build_all(solutions_dir: Path = SOLUTIONS_DIR, labs_dir: Path = LABS_DIR) -> list[Path]:
+    """Write labs/ afresh from solutions/; returns the written paths. Stale lab notebooks are removed."""
+    labs_dir = Path(labs_dir)
+    labs_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in solution_notebooks(solutions_dir):
+        lab, _ = build_lab(nbformat.read(path, as_version=4), name=path.name)
+        target = labs_dir / path.name
+        target.write_text(notebook_text(lab))
+        written.append(target)
+    names = {p.name for p in written}
+    for stale in labs_dir.glob("[0-9][0-9]_*.ipynb"):
+        if stale.name not in names:
+            stale.unlink()
+    return written
+
+
+def exercise_regions(path: Path) -> list[SolutionRegion]:
+    return build_lab(nbformat.read(path, as_version=4), name=Path(path).name)[1]
