@@ -98,6 +98,20 @@ def run_course(out: Path, size: str = "small", device: str = "auto", names: list
     return failed
 
 
+def execute_allowing_errors(source: Path, parameters: dict, *, timeout: int = 900):
+    """Inject ``parameters`` the way papermill does, execute every cell even after errors (nbclient), and
+    return (executed notebook, [{"cell", "ename", "evalue"}, ...]). Used to run the student notebooks."""
+    from nbclient import NotebookClient
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    nb = parameterize_notebook(load_notebook_node(str(source)), parameters, report_mode=False)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True, record_timing=False,
+                            resources={"metadata": {"path": str(Path(source).parent)}})
+    client.execute()
+    return nb, _errors(nb)
+
+
 def refresh_solution(path: Path, timeout: int = 900) -> None:
     """Execute a solution notebook in place (default parameters), so its stored outputs are current."""
     from nbclient import NotebookClient

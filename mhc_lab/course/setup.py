@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ def setup(SIZE: str = "small", DEVICE: str = "auto", SEED: int = 0, quiet: bool 
         pio.renderers.default = "plotly_mimetype"
     except ImportError:  # plotly is a dependency; without it the labs still compute, only plots fail later
         pass
+    # TileLang reports every compile at INFO level; the labs only want its warnings.
+    logging.getLogger("TileLang").setLevel(logging.WARNING)
     config = LabConfig(SIZE, device, SEED)
     if not quiet:
         print(f"mhc-lab: SIZE={SIZE}, DEVICE={device.type}, SEED={SEED}")
