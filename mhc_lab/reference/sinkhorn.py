@@ -74,7 +74,10 @@ def sinkhorn_log_domain(logits: torch.Tensor, iterations: int = 20) -> torch.Ten
     for _ in range(iterations):
         g = -torch.logsumexp(logits + f, dim=-2, keepdim=True)
         f = -torch.logsumexp(logits + g, dim=-1, keepdim=True)
-    return torch.exp(logits + f + g)
+    h = torch.exp(logits + f + g)
+    # The last step made the rows sum to 1 in exact arithmetic; for huge logits the sum logits + f + g cancels
+    # digits, so restore the row sums explicitly (a no-op up to rounding otherwise).
+    return h / h.sum(dim=-1, keepdim=True)
 
 
 def sinkhorn(logits: torch.Tensor, variant: str = "deepseek_v4", iterations: int = 20, eps: float = 1e-6):
