@@ -1,0 +1,35 @@
+"""Benchmarks that record GPU figures as JSON in mhc_lab/recorded/ (tagged with GPU, versions and date).
+
+    python -m mhc_lab.bench memory-wall [--out DIR]   lab 04: copy bandwidth, naive layers, launches
+    python -m mhc_lab.bench forward [--out DIR]       lab 06: fused mHC forward vs eager, compile, TileKernels
+    python -m mhc_lab.bench all [--out DIR]
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUITES = {
+    "memory-wall": "mhc_lab.course.bench_memory_wall",
+    "forward": "mhc_lab.course.bench_forward",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in (*SUITES, "all"):
+        print(__doc__)
+        print(f"expected a suite: one of {', '.join(SUITES)} or all; got {argv[:1] or 'nothing'}")
+        return 2
+    suite, rest = argv[0], argv[1:]
+    names = list(SUITES) if suite == "all" else [suite]
+    status = 0
+    for name in names:
+        module = importlib.import_module(SUITES[name])
+        status |= int(module.main(rest) or 0)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Project-level promises: the conda environment matches pyproject, layers import only downward, the README's
+commands are the ones CI and the Makefile run."""
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["reference", "kernels", "ops", "course"]  # lowest first
+
+
+def _requirement_names(requirements):
+    return {re.split(r"[<>=!~ \[]", r)[0].strip().lower(): r.replace(" ", "") for r in requirements}
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = _requirement_names(project["dependencies"] + project["optional-dependencies"]["test"])
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    listed = _requirement_names([p for p in pip_section if not p.startswith("-e")])
+    assert listed == wanted, "environment.yml and pyproject.toml disagree"
+    assert "-e ." in pip_section
+    python = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python"))
+    assert python.replace("python", "") == project["requires-python"]
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_lower_layers_never_import_upper_ones(layer):
+    higher = LAYERS[LAYERS.index(layer) + 1 :]
+    for path in (ROOT / "mhc_lab" / layer).rglob("*.py"):
+        for name in _imports(path):
+            for up in higher:
+                assert not name.startswith(f"mhc_lab.{up}"), f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_readme_commands_are_what_ci_and_make_run():
+    readme = (ROOT / "README.md").read_text()
+    assert "make course" in readme and "make test" in readme
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^course: install", makefile, re.M) and re.search(r"^test: install", makefile, re.M)
