@@ -1,1 +1,16 @@
 """TileLang tile programs, one factory per kernel (compile-time parameters in, tile program out)."""
+
+from mhc_lab.kernels._target import canonical_target, nvcc_path
+from mhc_lab.kernels.post import post_bytes, post_kernel, post_program
+from mhc_lab.kernels.pre import pre_bytes, pre_kernel_c, pre_program
+
+__all__ = [
+    "canonical_target",
+    "nvcc_path",
+    "post_bytes",
+    "post_kernel",
+    "post_program",
+    "pre_bytes",
+    "pre_kernel_c",
+    "pre_program",
+]

@@ -1,0 +1,110 @@
+"""Targets and compilation shared by every kernel factory.
+
+A factory takes compile-time parameters (n, C, dtype, tile sizes, target) and returns a tile program; the
+``compile_*`` helpers turn a program into a callable kernel once per process (``functools.lru_cache``) and
+TileLang's own on-disk cache makes the next process cheap too.
+
+Targets, as accepted everywhere in ``mhc_lab.kernels``:
+
+- ``"c"`` (or ``"cpu"``): TileLang's C target. The program runs on the CPU, one program instance after
+  another; GPU-only constructs (threads, fragments, shared memory, tensor cores) are replaced by plain loops.
+- ``"cuda"``: the GPU torch sees (its compute capability), or sm_90a when torch sees none.
+- ``"sm_90"`` (any ``"sm_XY"``): a CUDA build for that architecture, also on a machine without a GPU
+  (compile-only check: nvcc must be on PATH or in /usr/local/cuda/bin). ``"sm_90"`` means ``"sm_90a"``, the
+  Hopper target with warpgroup instructions (wgmma, setmaxnreg) that TileLang's GEMMs use there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+_CUDA_HOME_BIN = "/usr/local/cuda/bin"
+_lock = threading.Lock()
+
+
+def canonical_target(target: str) -> str:
+    """'cpu' and 'c' -> 'c'; 'cuda' -> 'sm_XY' of the visible GPU (sm_90 if none); 'sm_XY' unchanged."""
+    if not isinstance(target, str):
+        raise ValueError(f"target: expected 'c', 'cpu', 'cuda' or 'sm_XY', got {target!r}")
+    t = target.lower()
+    if t in ("c", "cpu"):
+        return "c"
+    if t == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability()
+                return canonical_target(f"sm_{major}{minor}")
+        except Exception:  # torch without CUDA: fall through to the default build
+            pass
+        return "sm_90a"
+    if t.startswith("sm_") and t[3:].rstrip("a").isdigit():
+        # Hopper kernels use warpgroup instructions (wgmma, setmaxnreg) that only sm_90a has.
+        return "sm_90a" if t == "sm_90" else t
+    raise ValueError(f"target: expected 'c', 'cpu', 'cuda' or 'sm_XY', got {target!r}")
+
+
+def is_gpu(target: str) -> bool:
+    return canonical_target(target) != "c"
+
+
+def tilelang_target(target: str):
+    """What ``tilelang.compile`` takes for our canonical target names."""
+    t = canonical_target(target)
+    if t == "c":
+        return "c"
+    return {"kind": "cuda", "arch": t}
+
+
+def nvcc_path() -> str | None:
+    """nvcc on PATH or in /usr/local/cuda/bin; None if neither."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    candidate = os.path.join(_CUDA_HOME_BIN, "nvcc")
+    return candidate if os.path.exists(candidate) else None
+
+
+def _ensure_nvcc_on_path() -> None:
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError(
+            "building a CUDA kernel needs nvcc, found neither on PATH nor in /usr/local/cuda/bin; "
+            "install the CUDA toolkit or use target='c' for the CPU path"
+        )
+    folder = os.path.dirname(nvcc)
+    if folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+
+
+def quiet_tilelang() -> None:
+    """TileLang logs every compile at INFO; keep the course's output readable."""
+    import logging
+
+    logging.getLogger("TileLang").setLevel(logging.WARNING)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("tilelang") or name.startswith("TileLang"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def compile_program(program, target: str, pass_configs: dict | None = None):
+    """``tilelang.compile`` for one of our canonical targets (thread-safe; logs quieted)."""
+    import tilelang
+
+    quiet_tilelang()
+    t = canonical_target(target)
+    if t != "c":
+        _ensure_nvcc_on_path()
+    with _lock:
+        return tilelang.compile(program, target=tilelang_target(t), pass_configs=pass_configs or None)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b

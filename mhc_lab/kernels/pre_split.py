@@ -1,0 +1,191 @@
+# pre, split plan: the coefficients and the layer input of one mHC site in two passes over the lanes.
+#
+#   pass 1 (project): partial[s, t, :] = x[t, K_s] . [phi_hi; phi_lo][:, K_s]^T  and  sum(x[t, K_s]^2)
+#   pass 2 (apply):   mixes = sum_s partial[s]; r = rsqrt(sum(x^2)/(nC) + eps); H_pre, H_post, Sinkhorn(H_res);
+#                     y[t, c] = sum_j H_pre[t, j] x[t, j, c]
+#
+# Bytes per token (bf16 lanes, n = 4): pass 1 reads nC elements (8C bytes) and writes splits * (n^2+2n+1)
+# float32 partials; pass 2 reads the partials and the nC lanes again (8C bytes), writes C (2C bytes) and
+# 4(n^2 + 2n) bytes of coefficients. Together 18C bytes + partials against the 10C a pre must move: the second
+# read of x is the price of not holding a token's whole nC row on chip while its H_pre is unknown.
+# phi (n^2+2n rows of nC float32, 1.5 MB at C = 4096) is read from L2 by every token tile: 384 C / block_m
+# bytes per token (6C at block_m = 64).
+# FLOPs per token: 2 (2 (n^2+2n)) nC for the split-precision projection (tensor cores), ~1.5k for Sinkhorn.
+# Fuses: the squared norm into the projection pass; the norm (applied after the matmul, arXiv 2512.24880
+# Eqs. 14-16), the sigmoids, the 20 Sinkhorn rounds and H_pre x into the apply pass.
+#
+# Precision: the bf16 tensor cores multiply x (exact in bf16) by phi split as phi = hi + lo, both bf16, so the
+# products carry ~16 bits of phi's mantissa (float32 keeps 24, tf32 10) and accumulate in float32.
+# This plan serves every n on CUDA (and is the fallback where the one-pass kernel does not fit).
+"""pre, split plan (CUDA): a phi split kernel, a projection pass and an apply pass."""
+
+
+import functools
+
+import tilelang.language as T
+
+from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
+from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div
+
+
+def phi_rows(n: int) -> int:
+    """Rows of the split phi: hi (n^2+2n), lo (n^2+2n), zero padding up to a multiple of 16."""
+    return round_up(2 * mixes_width(n), 16)
+
+
+def _check_gpu(n, C, dtype, target):
+    t = canonical_target(target)
+    if t == "c":
+        raise ValueError("pre split plan: CUDA only; the C target uses pre.pre_program (target='c')")
+    if dtype != "bfloat16":
+        raise ValueError(f"pre split plan: expected dtype 'bfloat16' lanes on CUDA, got {dtype!r}")
+    if not isinstance(n, int) or not 1 <= n <= 8:
+        raise ValueError(f"pre split plan: expected 1 <= n <= 8, got n = {n!r}")
+    if not isinstance(C, int) or C < 1:
+        raise ValueError(f"pre split plan: expected a positive width C, got C = {C!r}")
+    return t
+
+
+def phi_split_program(n: int, C: int, target: str = "cuda"):
+    """phi [n^2+2n, nC] float32 -> phi_hl [phi_rows(n), nC] bfloat16: hi rows, lo rows, zero rows."""
+    _check_gpu(n, C, "bfloat16", target)
+    M, K, NP = mixes_width(n), n * C, phi_rows(n)
+    BK = 256
+
+    @T.prim_func
+    def phi_split(phi: T.Tensor((M, K), "float32"), phi_hl: T.Tensor((NP, K), "bfloat16")):
+        with T.Kernel(T.ceildiv(K, BK), threads=256) as bk:
+            for m, k in T.Parallel(NP, BK):
+                kk = bk * BK + k
+                if kk < K:
+                    if m < M:
+                        phi_hl[m, kk] = T.cast(phi[m, kk], "bfloat16")
+                    elif m < 2 * M:
+                        v = phi[m - M, kk]
+                        phi_hl[m, kk] = T.cast(v - T.cast(T.cast(v, "bfloat16"), "float32"), "bfloat16")
+                    else:
+                        phi_hl[m, kk] = T.cast(0, "bfloat16")
+
+    return phi_split
+
+
+def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+                    block_m: int = 64, block_k: int = 128, splits: int = 4, stages: int = 3, threads: int = 128):
+    """Pass 1: partial [splits, T, n^2+2n+1] float32 from x_flat [T, nC] and phi_hl [phi_rows, nC]."""
+    _check_gpu(n, C, dtype, target)
+    M, K, NP = mixes_width(n), n * C, phi_rows(n)
+    BM, BK, S = block_m, block_k, splits
+    KS = round_up(ceil_div(K, S), BK)  # K per split, whole chunks
+    NK = KS // BK
+    NT = T.dynamic("T")
+
+    @T.prim_func
+    def project(
+        x: T.Tensor((NT, K), dtype),
+        phi_hl: T.Tensor((NP, K), "bfloat16"),
+        partial: T.Tensor((S, NT, M + 1), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, BM), S, threads=threads) as (bm, s):
+            xs = T.alloc_shared((BM, BK), dtype)
+            ps = T.alloc_shared((NP, BK), "bfloat16")
+            acc = T.alloc_fragment((BM, NP), "float32")
+            xf = T.alloc_fragment((BM, BK), dtype)
+            sq_acc = T.alloc_fragment((BM, BK), "float32")
+            sq = T.alloc_fragment((BM,), "float32")
+            out_s = T.alloc_shared((BM, NP), "float32")
+            T.clear(acc)
+            T.clear(sq_acc)
+            for kk in T.Pipelined(NK, num_stages=stages):
+                k0 = s * KS + kk * BK
+                T.copy(x[bm * BM : bm * BM + BM, k0 : k0 + BK], xs)
+                T.copy(phi_hl[0:NP, k0 : k0 + BK], ps)
+                T.gemm(xs, ps, acc, transpose_B=True)
+                T.copy(xs, xf)
+                for i, k in T.Parallel(BM, BK):
+                    v = T.cast(xf[i, k], "float32")
+                    sq_acc[i, k] += v * v
+            T.reduce_sum(sq_acc, sq, dim=1)
+            T.copy(acc, out_s)
+            for i, m in T.Parallel(BM, M + 1):
+                tok = bm * BM + i
+                if tok < NT:
+                    if m < M:
+                        partial[s, tok, m] = out_s[i, m] + out_s[i, M + m]
+            for i in T.Parallel(BM):
+                tok = bm * BM + i
+                if tok < NT:
+                    partial[s, tok, M] = sq[i]
+
+    return project
+
+
+def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
+                  block_tokens: int = 32, block_c: int = 256, threads: int = 128, iterations: int = 20):
+    """Pass 2: coefficients from the partials, then y = H_pre x over the lanes."""
+    _check_gpu(n, C, dtype, target)
+    M = mixes_width(n)
+    S, BT, BC = splits, block_tokens, min(block_c, round_up(C, 64))
+    NC = ceil_div(C, BC)
+    NT = T.dynamic("T")
+    lanes = list(range(n))
+    coefficients = coefficient_macro(n, C, iterations=iterations)
+
+    @T.prim_func
+    def apply(
+        x: T.Tensor((NT, n, C), dtype),
+        partial: T.Tensor((S, NT, M + 1), "float32"),
+        bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"),
+        y: T.Tensor((NT, C), dtype),
+        pre_out: T.Tensor((NT, n), "float32"),
+        post_out: T.Tensor((NT, n), "float32"),
+        res_out: T.Tensor((NT, n, n), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, BT), threads=threads) as b:
+            mix = T.alloc_local((M + 1,), "float32")
+            pre_l = T.alloc_local((n,), "float32")
+            post_l = T.alloc_local((n,), "float32")
+            comb = T.alloc_local((n * n,), "float32")
+            pre_s = T.alloc_shared((BT, n), "float32")
+            xf = [T.alloc_fragment((BT, BC), dtype) for _ in lanes]
+            yf = T.alloc_fragment((BT, BC), dtype)
+            t0 = b * BT
+            for tt in T.Parallel(BT):
+                tok = t0 + tt
+                if tok < NT:
+                    for q in T.unroll(M + 1):
+                        mix[q] = partial[0, tok, q]
+                    for s in T.serial(S - 1):
+                        for q in T.unroll(M + 1):
+                            mix[q] = mix[q] + partial[s + 1, tok, q]
+                    coefficients(mix, alpha, bias, pre_l, post_l, comb)
+                    for i in T.unroll(n):
+                        pre_out[tok, i] = pre_l[i]
+                        post_out[tok, i] = post_l[i]
+                        pre_s[tt, i] = pre_l[i]
+                        for j in T.unroll(n):
+                            res_out[tok, i, j] = comb[j * n + i]
+                else:
+                    for i in T.unroll(n):
+                        pre_s[tt, i] = T.float32(0)
+            for cb in T.serial(NC):
+                c0 = cb * BC
+                for j in lanes:
+                    T.copy(x[t0 : t0 + BT, j, c0 : c0 + BC], xf[j])
+                for tt, c in T.Parallel(BT, BC):
+                    yf[tt, c] = T.cast(sum([pre_s[tt, j] * T.cast(xf[j][tt, c], "float32") for j in lanes]), dtype)
+                T.copy(yf, y[t0 : t0 + BT, c0 : c0 + BC])
+
+    return apply
+
+
+@functools.lru_cache(maxsize=None)
+def split_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, block_m: int = 64,
+                  block_k: int = 128, splits: int = 4, stages: int = 3, block_tokens: int = 32):
+    """(phi_split, project, apply) compiled kernels, cached per process."""
+    return (
+        compile_program(phi_split_program(n, C, target), target),
+        compile_program(project_program(n, C, dtype, target, block_m=block_m, block_k=block_k, splits=splits,
+                                        stages=stages), target),
+        compile_program(apply_program(n, C, dtype, target, splits=splits, block_tokens=block_tokens), target),
+    )
