@@ -1,0 +1,174 @@
+"""Fused forward kernels (post, pre) against the float64 reference.
+
+CPU: TileLang's C target, float32 lanes, every element checked on NaN-poisoned outputs, fresh random inputs
+per case (never zeros), awkward sizes (T = 1, 7, 33; C = 40, 72, 200, none a multiple of the CUDA tiles).
+CUDA: the same checks at bf16 tolerance when a GPU is present (skipped otherwise); the sm_90 build of every
+CUDA kernel is checked on any machine with nvcc (skipped, saying so, without it).
+"""
+
+import math
+
+import pytest
+import torch
+
+from mhc_lab.kernels import nvcc_path
+from mhc_lab.ops import PreOutputs, mhc_post_fused, mhc_pre_fused
+from mhc_lab.reference import InputError, mhc_coefficients, mhc_post, mhc_pre
+
+# Tolerances per (backend, quantity): max |got - want| <= atol + rtol |want|, every element.
+# float32 on the CPU: the kernels accumulate in float32 in a different order than the float64 reference and
+# divide by multiplying with a reciprocal; ~1e-7 relative is typical, 1e-5 leaves room for long dot products.
+# bf16 on CUDA: outputs are rounded to bf16 (2^-8 relative), the projection uses phi split into two bf16 parts.
+TOLERANCES = {
+    ("cpu", "lanes"): (1e-5, 1e-5),  # (rtol, atol): layer input, next lanes
+    ("cpu", "coefficients"): (1e-5, 1e-6),  # pre, post, res
+    ("cuda", "lanes"): (8e-3, 8e-3),
+    ("cuda", "coefficients"): (1e-3, 1e-4),
+}
+
+CPU_CASES = [(4, 40), (4, 72), (4, 200), (1, 72), (2, 40), (8, 40)]
+TOKENS = (1, 7, 33)
+
+
+def _inputs(tokens, n, C, *, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = n * n + 2 * n
+    x = torch.randn(tokens, n, C, generator=g)
+    phi = torch.randn(m, n * C, generator=g) / math.sqrt(n * C)
+    bias = torch.randn(m, generator=g) * 0.5
+    alpha = torch.rand(3, generator=g) + 0.5
+    f = torch.randn(tokens, C, generator=g)
+    return (x.to(device=device, dtype=dtype), phi.to(device), bias.to(device), alpha.to(device),
+            f.to(device=device, dtype=dtype))
+
+
+def _poisoned_pre(tokens, n, C, dtype, device):
+    nan = float("nan")
+    return PreOutputs(
+        torch.full((tokens, C), nan, dtype=dtype, device=device),
+        torch.full((tokens, n), nan, device=device),
+        torch.full((tokens, n, n), nan, device=device),
+        torch.full((tokens, n), nan, device=device),
+    )
+
+
+def _assert_close(name, got, want, backend, kind):
+    rtol, atol = TOLERANCES[(backend, kind)]
+    got64 = got.double().cpu()
+    want64 = want.double().cpu()
+    assert not torch.isnan(got64).any(), f"{name}: {int(torch.isnan(got64).sum())} elements never written (NaN)"
+    err = (got64 - want64).abs()
+    bound = atol + rtol * want64.abs()
+    worst = int(torch.argmax(err - bound))
+    assert bool((err <= bound).all()), (
+        f"{name}: {int((err > bound).sum())} of {err.numel()} elements outside rtol {rtol}, atol {atol}; "
+        f"worst at flat index {worst}: got {got64.flatten()[worst]:.6g}, want {want64.flatten()[worst]:.6g}"
+    )
+
+
+def _reference(x, phi, bias, alpha, f):
+    x64 = x.double().cpu()
+    pre, post, res = mhc_coefficients(x64, phi.double().cpu(), bias.double().cpu(), alpha.double().cpu())
+    y = mhc_pre(x64, pre)
+    out = mhc_post(x64, f.double().cpu(), post, res)
+    return y, pre, post, res, out
+
+
+@pytest.mark.parametrize("n,C", CPU_CASES)
+def test_cpu_pre_and_post_match_float64_reference(n, C):
+    for seed, tokens in enumerate(TOKENS):
+        x, phi, bias, alpha, f = _inputs(tokens, n, C, seed=seed + 10 * n + C)
+        y_ref, pre_ref, post_ref, res_ref, _ = _reference(x, phi, bias, alpha, f)
+        got = mhc_pre_fused(x, phi, bias, alpha, out=_poisoned_pre(tokens, n, C, torch.float32, "cpu"))
+        _assert_close(f"layer_input n={n} C={C} T={tokens}", got.layer_input, y_ref, "cpu", "lanes")
+        _assert_close(f"pre n={n} C={C} T={tokens}", got.pre, pre_ref, "cpu", "coefficients")
+        _assert_close(f"post n={n} C={C} T={tokens}", got.post, post_ref, "cpu", "coefficients")
+        _assert_close(f"res n={n} C={C} T={tokens}", got.res, res_ref, "cpu", "coefficients")
+        # post on the kernel's own coefficients (float32), against float64 math on the same coefficients
+        out = torch.full((tokens, n, C), float("nan"))
+        mhc_post_fused(x, f, got.post, got.res, out=out)
+        want = mhc_post(x.double(), f.double(), got.post.double(), got.res.double())
+        _assert_close(f"post lanes n={n} C={C} T={tokens}", out, want, "cpu", "lanes")
+
+
+def test_cpu_batched_leading_dims_and_bf16_lanes():
+    x, phi, bias, alpha, f = _inputs(2 * 3, 4, 40, seed=7)
+    xb = x.reshape(2, 3, 4, 40).bfloat16()
+    got = mhc_pre_fused(xb, phi, bias, alpha)
+    assert got.layer_input.shape == (2, 3, 40) and got.layer_input.dtype == torch.bfloat16
+    assert got.res.shape == (2, 3, 4, 4) and got.post.dtype == torch.float32
+    pre, post, res = mhc_coefficients(xb.double(), phi.double(), bias.double(), alpha.double())
+    _assert_close("res (bf16 lanes)", got.res, res, "cpu", "coefficients")
+    _assert_close("layer_input (bf16 lanes)", got.layer_input, mhc_pre(xb.double(), pre), "cuda", "lanes")
+    out = mhc_post_fused(xb, f.reshape(2, 3, 40).bfloat16(), got.post, got.res)
+    want = mhc_post(xb.double(), f.reshape(2, 3, 40).bfloat16().double(), got.post.double(), got.res.double())
+    _assert_close("post lanes (bf16)", out, want, "cuda", "lanes")
+
+
+def test_refusals_say_what_was_expected_and_given():
+    x, phi, bias, alpha, f = _inputs(3, 9, 8, seed=1)
+    with pytest.raises(InputError, match=r"n = 1\.\.8 lanes, got n = 9"):
+        mhc_pre_fused(x, phi, bias, alpha)
+    x17 = torch.randn(2, 17, 8)
+    with pytest.raises(InputError, match=r"n = 1\.\.16 lanes, got n = 17"):
+        mhc_post_fused(x17, torch.randn(2, 8), torch.rand(2, 17), torch.rand(2, 17, 17))
+    x, phi, bias, alpha, f = _inputs(3, 4, 40, seed=2)
+    with pytest.raises(InputError, match=r"phi: expected shape \(24, 160\), got shape \(24, 120\)"):
+        mhc_pre_fused(x, phi[:, :120], bias, alpha)
+    with pytest.raises(InputError, match=r"bias: expected dtype torch.float32, got .*float64"):
+        mhc_pre_fused(x, phi, bias.double(), alpha)
+    with pytest.raises(InputError, match=r"x: expected dtype in .* got .*float64"):
+        mhc_pre_fused(x.double(), phi, bias, alpha)
+    with pytest.raises(InputError, match=r"layer_output: expected shape \(3, 40\)"):
+        mhc_post_fused(x, f[:, :20], torch.rand(3, 4), torch.rand(3, 4, 4))
+    with pytest.raises(InputError, match=r"res: expected shape \(3, 4, 4\)"):
+        mhc_post_fused(x, f, torch.rand(3, 4), torch.rand(3, 4, 3))
+    with pytest.raises(InputError, match=r"out layer_input: expected shape \(3, 40\)"):
+        mhc_pre_fused(x, phi, bias, alpha, out=_poisoned_pre(3, 4, 41, torch.float32, "cpu"))
+
+
+# ---- CUDA: correctness on a GPU (skipped without one) -------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch")
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", ["split", "cluster"])
+@pytest.mark.parametrize("n,C,tokens", [(4, 40, 7), (4, 200, 33), (4, 4096, 257), (4, 2560, 1), (2, 72, 33),
+                                        (8, 40, 7), (1, 72, 7)])
+def test_cuda_pre_and_post_match_float64_reference(plan, n, C, tokens):
+    from mhc_lab.kernels.pre_cluster import cluster_config
+    from mhc_lab.kernels.pre_cuda import CLUSTER_DEFAULTS
+
+    if plan == "cluster" and not cluster_config(n, C, **CLUSTER_DEFAULTS)["fits"]:
+        pytest.skip(f"cluster plan not built for n = {n}, C = {C}")
+    x, phi, bias, alpha, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=tokens + C)
+    y_ref, pre_ref, post_ref, res_ref, _ = _reference(x, phi, bias, alpha, f)
+    got = mhc_pre_fused(x, phi, bias, alpha, plan=plan, out=_poisoned_pre(tokens, n, C, torch.bfloat16, "cuda"))
+    torch.cuda.synchronize()
+    _assert_close("layer_input", got.layer_input, y_ref, "cuda", "lanes")
+    _assert_close("pre", got.pre, pre_ref, "cuda", "coefficients")
+    _assert_close("post", got.post, post_ref, "cuda", "coefficients")
+    _assert_close("res", got.res, res_ref, "cuda", "coefficients")
+    out = torch.full((tokens, n, C), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mhc_post_fused(x, f, got.post, got.res, out=out)
+    want = mhc_post(x.double().cpu(), f.double().cpu(), got.post.double().cpu(), got.res.double().cpu())
+    _assert_close("post lanes", out, want, "cuda", "lanes")
+
+
+# ---- sm_90 build of the CUDA kernels, on any machine with nvcc ----------------------------------------------
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
+def test_cuda_kernels_build_for_sm90():
+    from mhc_lab.kernels.post import post_kernel
+    from mhc_lab.kernels.pre_cluster import cluster_kernel
+    from mhc_lab.kernels.pre_split import split_kernels
+
+    post = post_kernel(4, 4096, "bfloat16", "sm_90")
+    assert "uint4" in post.get_kernel_source()  # 16-byte vector loads of the lanes
+    kernels = split_kernels(4, 4096, "bfloat16", "sm_90")
+    assert any("wgmma" in k.get_kernel_source() for k in kernels)  # Hopper tensor cores for the projection
+    cluster = cluster_kernel(4, 2560, "bfloat16", "sm_90")
+    src = cluster.get_kernel_source()
+    assert "cluster_sync" in src and "mhc_cluster_load" in src
