@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         refresh_solutions(args.names)
         from mhc_lab.course.notebook_build import build_all
 
-        build_all()
+        build_all(names=args.names)
         return 0
     return 2
 

@@ -99,20 +99,25 @@ def solution_notebooks(directory: Path = SOLUTIONS_DIR) -> list[Path]:
     return sorted(Path(directory).glob("[0-9][0-9]_*.ipynb"))
 
 
-def build_all(solutions_dir: Path = SOLUTIONS_DIR, labs_dir: Path = LABS_DIR) -> list[Path]:
-    """Write labs/ afresh from solutions/; returns the written paths. Stale lab notebooks are removed."""
+def build_all(solutions_dir: Path = SOLUTIONS_DIR, labs_dir: Path = LABS_DIR,
+              names: list[str] | None = None) -> list[Path]:
+    """Write labs/ afresh from solutions/ (only the notebooks whose names start with one of ``names``, if
+    given); returns the written paths. With no names, lab notebooks without a solution are removed."""
     labs_dir = Path(labs_dir)
     labs_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for path in solution_notebooks(solutions_dir):
+        if names and not any(path.name.startswith(n) for n in names):
+            continue
         lab, _ = build_lab(nbformat.read(path, as_version=4), name=path.name)
         target = labs_dir / path.name
         target.write_text(notebook_text(lab))
         written.append(target)
-    names = {p.name for p in written}
-    for stale in labs_dir.glob("[0-9][0-9]_*.ipynb"):
-        if stale.name not in names:
-            stale.unlink()
+    if not names:
+        keep = {p.name for p in written}
+        for stale in labs_dir.glob("[0-9][0-9]_*.ipynb"):
+            if stale.name not in keep:
+                stale.unlink()
     return written
 
 
