@@ -1,0 +1,284 @@
+"""Benchmark of the memory wall: copy bandwidth, the plain residual add, and the naive HC and mHC sites
+(eager and torch.compile, forward and forward + backward) with their kernel launches and GB/s on the bytes
+the bytes model counts. Writes one JSON recording tagged with GPU, driver, torch, tilelang and date.
+
+    python -m mhc_lab.course.bench_memory_wall --out DIR           # on a CUDA GPU: 16384 tokens, C 2560 and 4096
+    python -m mhc_lab.course.bench_memory_wall --out DIR           # on a CPU: a small version (1024 tokens, C 256)
+
+GB/s is always counted bytes over measured time: the bytes of mHC Table 2 (unfused, bf16 lanes, float32
+coefficients) for the sites, 3C elements per token for the residual. ``fraction_of_copy`` compares that with
+the machine's measured copy bandwidth; ``minimal_bytes`` is what the fewest-bytes fused site would move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mhc_lab.course import bytes_model, profiling, roofline
+from mhc_lab.course.measure import load_recording, resolve_device, save_recording, synchronize, time_fn
+from mhc_lab.course.naive_layers import make_layer
+
+RECORDING = "memory_wall_h200"
+_NAMES = {"residual": "residual merge", "hc": "HC site", "mhc": "mHC site"}
+
+
+def _row(layer, mode: str, direction: str, timing: dict, launches, copy_gbs: float, **extra) -> dict:
+    counted = layer.counted_bytes("forward")
+    if direction == "forward+backward":
+        counted += layer.counted_bytes("backward")
+    gbs = counted / timing["median_s"] / 1e9
+    row = {
+        "layer": layer.method, "label": layer.name, "mode": mode, "pass": direction,
+        "tokens": layer.tokens, "n": layer.n, "C": layer.C, "dtype": str(layer.stream_dtype).replace("torch.", ""),
+        "median_s": timing["median_s"], "min_s": timing["min_s"], "repeat": timing["repeat"],
+        "launches": launches, "counted_bytes": counted, "gbs": gbs, "fraction_of_copy": gbs / copy_gbs,
+    }
+    if layer.method != "residual":
+        minimal = layer.tokens * bytes_model.bytes_per_token("mhc_minimal", layer.n, layer.C,
+                                                             stream_dtype=layer.stream_dtype)
+        if direction == "forward+backward":
+            minimal += layer.tokens * bytes_model.bytes_per_token("mhc_minimal", layer.n, layer.C, "backward",
+                                                                  stream_dtype=layer.stream_dtype)
+        row["minimal_bytes"] = minimal
+    row.update(extra)
+    return row
+
+
+def measure_shape(tokens: int, n: int, C: int, device, dtype: torch.dtype, *, copy_gbs: float,
+                  compile: bool = True, backward: bool = True, warmup: int = 3, repeat: int = 10,
+                  layers=("residual", "hc", "mhc"), log=print) -> list[dict]:
+    """Time, count and trace the naive layers at one shape; one row per (layer, mode, pass)."""
+    device = torch.device(device)
+    rows = []
+    for name in layers:
+        layer = make_layer(name, tokens, n, C, device, dtype)
+        passes = [("forward", layer.forward)] + ([("forward+backward", layer.forward_backward)] if backward else [])
+        for direction, fn in passes:
+            timing = time_fn(fn, warmup=warmup, repeat=repeat, device=device)
+            extra = {}
+            if direction == "forward":
+                trace = profiling.trace_ops(fn)
+                extra = {"traced_ops": trace.launches, "traced_bytes": trace.bytes_moved, "syncs": trace.syncs}
+            rows.append(_row(layer, "eager", direction, timing, profiling.launches(fn, device), copy_gbs, **extra))
+            log(_describe(rows[-1]))
+            if compile and name != "residual":
+                torch._dynamo.reset()  # a cold compile for every layer, so compile times compare
+                fast = torch.compile(fn)
+                start = time.perf_counter()
+                fast()
+                synchronize(device)
+                compile_s = time.perf_counter() - start
+                timing = time_fn(fast, warmup=warmup, repeat=repeat, device=device)
+                count = profiling.launches(fast, device) if device.type == "cuda" else None
+                rows.append(_row(layer, "compiled", direction, timing, count, copy_gbs, compile_s=compile_s))
+                log(_describe(rows[-1]))
+        del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _describe(r: dict) -> str:
+    launches = "-" if r["launches"] is None else r["launches"]
+    return (f"  C={r['C']:>5} {r['label']:<18} {r['mode']:<8} {r['pass']:<16} {r['median_s'] * 1e3:9.3f} ms  "
+            f"launches {launches:>4}  {r['gbs']:8.1f} GB/s on counted bytes ({100 * r['fraction_of_copy']:.0f}% of copy)")
+
+
+def run(device="auto", tokens: int | None = None, widths=None, n: int = 4, dtype: torch.dtype | None = None,
+        compile: bool | None = None, backward: bool = True, repeat: int | None = None, out=None,
+        name: str | None = None, merge_with=None, log=print) -> dict:
+    """Measure everything, save it with :func:`measure.save_recording` after every shape (so a run cut short
+    still leaves its rows), and return the payload. ``merge_with``: a recording (JSON path) whose rows for
+    other widths are kept, so one recording can be made in several runs."""
+    device = resolve_device(device)
+    gpu = device.type == "cuda"
+    tokens = tokens or (16384 if gpu else 1024)
+    widths = list(widths or ([2560, 4096] if gpu else [256]))
+    dtype = dtype or (torch.bfloat16 if gpu else torch.float32)
+    compile = gpu if compile is None else compile
+    repeat = repeat or (20 if gpu else 5)
+    name = name or (RECORDING if gpu else "memory_wall_cpu")
+    log(f"memory-wall bench on {device} ({torch.cuda.get_device_name(device) if gpu else 'CPU'}): "
+        f"{tokens} tokens, C in {widths}, n = {n}, {dtype}, compile={compile}, backward={backward}")
+    roof = roofline.measure_roof(device, small=not gpu)
+    log(f"  copy {roof.bandwidth_gbs:.0f} GB/s (read + written), matmul {roof.matmul_tflops:.3g} TFLOP/s "
+        f"{roof.matmul_dtype}")
+    config = {"tokens": tokens, "n": n, "widths": widths, "dtype": str(dtype).replace("torch.", ""),
+              "layer_function": "identity", "sinkhorn": "deepseek_v4, 20 iterations",
+              "coefficients": "float32", "timer": "measure.time_fn (CUDA events on a GPU), median",
+              "counted_bytes": "bytes_model: mHC Table 2 rows (unfused), lanes in the stream dtype, "
+                               "coefficients in float32; backward rows derived",
+              "launches": "CUDA kernels in the profiler (GPU); operations that compute (CPU)"}
+    payload = {"config": config, "copy_bandwidth_gbs": roof.bandwidth_gbs,
+               "roof": {"device": roof.device, "bandwidth_gbs": roof.bandwidth_gbs,
+                        "matmul_tflops": roof.matmul_tflops, "matmul_dtype": roof.matmul_dtype}}
+    results: list[dict] = []
+    if merge_with is not None:
+        import json
+
+        results = [r for r in json.loads(Path(merge_with).read_text())["results"] if r["C"] not in widths]
+        log(f"  keeping {len(results)} rows of {merge_with} (widths {sorted({r['C'] for r in results})})")
+    path = None
+    for C in widths:
+        results += measure_shape(tokens, n, C, device, dtype, copy_gbs=roof.bandwidth_gbs, compile=compile,
+                                 backward=backward, warmup=3, repeat=repeat, log=log)
+        path = save_recording(name, results, directory=out, **payload)
+    log(f"wrote {path}")
+    return {"name": name, **payload, "results": results, "path": str(path)}
+
+
+def lane_sweep(tokens: int, C: int, ns=(1, 2, 4, 8), device="cpu", dtype: torch.dtype = torch.float32,
+               repeat: int = 5, progress: bool = True) -> list[dict]:
+    """Forward time (fastest of ``repeat`` calls) of the residual merge, the HC site and the mHC site for each n
+    at one (tokens, C), with the operations each launches: the data for 'n lanes cost far more than n times'."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(device)
+    out = []
+    for n in tqdm(list(ns), desc="lanes", disable=not progress):
+        row = {"n": n, "tokens": tokens, "C": C}
+        for name in ("residual", "hc", "mhc"):
+            layer = make_layer(name, tokens, n, C, device, dtype)
+            # the fastest call: on a busy machine the least disturbed one, so the ratios between layers hold
+            row[f"{name}_s"] = time_fn(layer.forward, warmup=2, repeat=repeat, device=device)["min_s"]
+            row[f"{name}_launches"] = profiling.launches(layer.forward, device)
+        out.append(row)
+    return out
+
+
+def lane_sweep_figure(sweep: list[dict]):
+    """Time relative to the plain residual against n, beside 'n times' and the bytes model's ratio (plotly)."""
+    import plotly.graph_objects as go
+
+    ns = [r["n"] for r in sweep]
+    C = sweep[0]["C"]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=ns, y=ns, mode="lines", line=dict(dash="dot", color="gray"),
+                             name="n times the residual (what intuition says)"))
+    bytes_ratio = [bytes_model.elements_per_token("hc", n, C) / bytes_model.elements_per_token("residual", n, C)
+                   for n in ns]
+    fig.add_trace(go.Scatter(x=ns, y=bytes_ratio, mode="lines+markers", line=dict(dash="dash"),
+                             name="bytes ratio, Table 2 (what the fridge says)"))
+    for name, label in (("hc", "HC site, measured"), ("mhc", "mHC site, measured")):
+        fig.add_trace(go.Scatter(
+            x=ns, y=[r[f"{name}_s"] / r["residual_s"] for r in sweep], mode="lines+markers", name=label,
+            hovertext=[f"{r[name + '_launches']} launches" for r in sweep]))
+    fig.update_xaxes(title="lanes n", tickvals=ns)
+    fig.update_yaxes(title="time / time of the plain residual", type="log")
+    fig.update_layout(title=f"n lanes cost far more than n times ({sweep[0]['tokens']} tokens, C = {C})",
+                      height=420, legend=dict(font=dict(size=10)))
+    return fig
+
+
+def recorded_roofline(recording: dict, direction: str = "forward", C: int | None = None):
+    """The recorded machine's roofline with the recorded layers (at width C, the widest if None) placed on it by
+    counted FLOPs and bytes."""
+    rf = recording["roof"]
+    roof = roofline.Roof(rf["device"], rf["bandwidth_gbs"], rf["matmul_tflops"], rf["matmul_dtype"])
+    C = C if C is not None else max(r["C"] for r in recording["results"])
+    rows = [r for r in recording["results"] if r["pass"] == direction and r["C"] == C]
+    points = []
+    for r in rows:
+        flops = r["tokens"] * bytes_model.flops_per_token(r["layer"], r["n"], r["C"], "forward")
+        if r["pass"] == "forward+backward":
+            flops += r["tokens"] * bytes_model.flops_per_token(r["layer"], r["n"], r["C"], "backward")
+        points.append({"name": f"{_NAMES.get(r['layer'], r['layer'])} ({r['mode']})", "flops": flops,
+                       "bytes": r["counted_bytes"],
+                       "seconds": r["median_s"]})
+    env = recording["environment"]
+    title = (f"RECORDED roofline: {env.get('gpu') or 'a CPU'}, {env.get('date')} "
+             f"(naive layers, {direction}, {rows[0]['tokens'] if rows else '?'} tokens, C = {C})")
+    return roofline.roofline_figure(roof, points, title=title, spec=roofline.SPEC_SHEETS.get(env.get("gpu") or ""))
+
+
+# ---- reading a recording back (the lab's side) ------------------------------------------------------------
+
+
+def load_memory_wall(name: str = RECORDING, directory=None) -> dict | None:
+    """The recorded benchmark, or None when nothing has been recorded yet."""
+    try:
+        return load_recording(name, directory=directory)
+    except FileNotFoundError:
+        return None
+
+
+def recording_label(recording: dict) -> str:
+    """One line that says this is a recording, and of what: GPU, date, driver, versions."""
+    env = recording["environment"]
+    return (f"RECORDED on {env.get('gpu') or 'a CPU'} on {env.get('date')} (driver {env.get('driver')}, "
+            f"CUDA {env.get('cuda')}, torch {env.get('torch')}, tilelang {env.get('tilelang')}), "
+            f"not measured on this machine")
+
+
+def results_table(results: list[dict]) -> str:
+    """A plain-text table of benchmark rows (recorded or live)."""
+    lines = [f"{'C':>6}  {'layer':<18}{'mode':<10}{'pass':<18}{'time':>11}{'launches':>10}{'GB/s':>9}"
+             f"{'% of copy':>11}"]
+    for r in results:
+        launches = "-" if r.get("launches") is None else str(r["launches"])
+        lines.append(f"{r['C']:>6}  {r['label']:<18}{r['mode']:<10}{r['pass']:<18}"
+                     f"{r['median_s'] * 1e3:>8.3f} ms{launches:>10}{r['gbs']:>9.1f}{100 * r['fraction_of_copy']:>10.0f}%")
+    return "\n".join(lines)
+
+
+def slowdown(results: list[dict], C: int | None = None, direction: str = "forward") -> dict[str, float]:
+    """Time of each (layer, mode) divided by the plain residual's, at one width (the first if None)."""
+    C = C if C is not None else results[0]["C"]
+    mine = [r for r in results if r["C"] == C and r["pass"] == direction]
+    base = next((r["median_s"] for r in mine if r["layer"] == "residual"), None)
+    if base is None:
+        return {}
+    return {f"{_NAMES.get(r['layer'], r['layer'])} ({r['mode']})": r["median_s"] / base for r in mine}
+
+
+def comparison_figure(local: list[dict], recording: dict | None):
+    """Slowdown against the plain residual: this machine (live) beside the recording (labelled), plotly."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    here = slowdown(local)
+    fig.add_trace(go.Bar(name=f"this machine (live, C = {local[0]['C']})", x=list(here), y=list(here.values())))
+    if recording is not None:
+        rec = recording["results"]
+        widest = max(r["C"] for r in rec)
+        there = slowdown(rec, widest)
+        env = recording["environment"]
+        fig.add_trace(go.Bar(name=f"RECORDED: {env.get('gpu') or 'a CPU'}, {env.get('date')} (C = {widest})",
+                             x=list(there), y=list(there.values()), marker_pattern_shape="/"))
+    fig.update_layout(barmode="group", height=400, yaxis_title="time / time of the plain residual add",
+                      title="How much slower than the plain residual? (forward, n = 4)")
+    fig.update_yaxes(type="log")
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhc_lab.course.bench_memory_wall", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--tokens", type=int, help="default: 16384 on a GPU, 1024 on a CPU")
+    parser.add_argument("--widths", type=int, nargs="+", help="C values; default: 2560 4096 on a GPU, 256 on a CPU")
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--compile", dest="compile", action="store_true", default=None,
+                        help="also time torch.compile (default on a GPU)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--no-backward", dest="backward", action="store_false", default=True)
+    parser.add_argument("--repeat", type=int, help="timed calls per measurement (default 20 on a GPU, 5 on a CPU)")
+    parser.add_argument("--out", type=Path, default=Path("build/recorded"),
+                        help="directory for <name>.json (commit it into mhc_lab/recorded/)")
+    parser.add_argument("--name", help=f"recording name (default: {RECORDING} on a GPU, memory_wall_cpu on a CPU)")
+    parser.add_argument("--merge-with", type=Path, help="an earlier recording whose other widths are kept")
+    args = parser.parse_args(argv)
+    result = run(args.device, args.tokens, args.widths, args.n, compile=args.compile, backward=args.backward,
+                 repeat=args.repeat, out=args.out, name=args.name, merge_with=args.merge_with)
+    print()
+    print(results_table(result["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
