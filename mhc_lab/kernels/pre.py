@@ -6,7 +6,7 @@
 #   (arXiv 2512.24880 Eqs. 14-19 and Eq. 3's H_pre x; the norm is applied after the matmul, Eq. 16)
 #
 # Bytes per token, the least any plan must move (n = 4, bf16 lanes): read nC elements (8C bytes), write C
-# (2C bytes) and 4 (2n + n^2 + n) = 144 bytes of float32 coefficients (pre, post, res and pre again for a
+# (2C bytes) and 4 (2n + n^2) = 96 bytes of float32 coefficients (pre, post and res; pre is kept for a
 # later backward). phi ([n^2+2n, nC] float32, 384 C bytes, 1.5 MB at C = 4096) is read once per token *tile*,
 # so its cost per token is 384 C / tokens_per_tile bytes of L2 traffic.
 # FLOPs per token: 2 (n^2 + 2n) nC = 192 C for the projection, ~1.5k for the sigmoids and 20 Sinkhorn rounds,
@@ -100,6 +100,6 @@ def pre_kernel_c(n: int, C: int, dtype: str = "float32", *, block_tokens: int = 
 def pre_bytes(n: int, C: int, itemsize: int = 2) -> dict:
     """Least bytes per token a pre must move (lanes once, layer input once, coefficients), and FLOPs."""
     read = n * C * itemsize
-    write = C * itemsize + 4 * (3 * n + n * n)
+    write = C * itemsize + 4 * (2 * n + n * n)
     return {"read": read, "write": write, "total": read + write,
             "flops": 2 * mixes_width(n) * n * C + 2 * n * C}

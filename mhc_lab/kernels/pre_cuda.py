@@ -11,7 +11,7 @@ from mhc_lab.kernels._coefficients import mixes_width
 from mhc_lab.kernels.pre_split import phi_rows, split_kernels
 
 # Tuning of each plan; the benchmark overrides these to compare variants.
-SPLIT_DEFAULTS = {"block_m": 64, "block_k": 128, "splits": 4, "stages": 3, "block_tokens": 32}
+SPLIT_DEFAULTS = {"block_m": 256, "block_k": 64, "splits": 4, "stages": 3, "block_tokens": 16}
 CLUSTER_DEFAULTS = {"cluster": 16, "block_tokens": 16, "stages": 2, "iters": 16, "threads": 256}
 AUTO_USES_CLUSTER = False  # switched on only once the cluster plan is measured correct and faster
 

@@ -9,7 +9,7 @@
 # 4(n^2 + 2n) bytes of coefficients. Together 18C bytes + partials against the 10C a pre must move: the second
 # read of x is the price of not holding a token's whole nC row on chip while its H_pre is unknown.
 # phi (n^2+2n rows of nC float32, 1.5 MB at C = 4096) is read from L2 by every token tile: 384 C / block_m
-# bytes per token (6C at block_m = 64).
+# bytes per token (1.5C at block_m = 256).
 # FLOPs per token: 2 (2 (n^2+2n)) nC for the split-precision projection (tensor cores), ~1.5k for Sinkhorn.
 # Fuses: the squared norm into the projection pass; the norm (applied after the matmul, arXiv 2512.24880
 # Eqs. 14-16), the sigmoids, the 20 Sinkhorn rounds and H_pre x into the apply pass.
@@ -22,10 +22,14 @@
 
 import functools
 
+import tilelang
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
 from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div
+
+
+NO_WARP_SPECIALIZATION = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
 def phi_rows(n: int) -> int:
@@ -70,7 +74,7 @@ def phi_split_program(n: int, C: int, target: str = "cuda"):
 
 
 def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                    block_m: int = 64, block_k: int = 128, splits: int = 4, stages: int = 3, threads: int = 128):
+                    block_m: int = 256, block_k: int = 64, splits: int = 4, stages: int = 3, threads: int = 256):
     """Pass 1: partial [splits, T, n^2+2n+1] float32 from x_flat [T, nC] and phi_hl [phi_rows, nC]."""
     _check_gpu(n, C, dtype, target)
     M, K, NP = mixes_width(n), n * C, phi_rows(n)
@@ -120,8 +124,10 @@ def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda
 
 
 def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
-                  block_tokens: int = 32, block_c: int = 256, threads: int = 128, iterations: int = 20):
-    """Pass 2: coefficients from the partials, then y = H_pre x over the lanes."""
+                  block_tokens: int = 16, block_c: int = 256, threads: int = 256, stages: int = 2,
+                  iterations: int = 20):
+    """Pass 2: coefficients from the partials (one thread per token), then y = H_pre x over the lanes,
+    streamed through shared memory in [block_tokens x block_c] tiles of every lane."""
     _check_gpu(n, C, dtype, target)
     M = mixes_width(n)
     S, BT, BC = splits, block_tokens, min(block_c, round_up(C, 64))
@@ -147,11 +153,12 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
             post_l = T.alloc_local((n,), "float32")
             comb = T.alloc_local((n * n,), "float32")
             pre_s = T.alloc_shared((BT, n), "float32")
-            xf = [T.alloc_fragment((BT, BC), dtype) for _ in lanes]
+            xs = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
             yf = T.alloc_fragment((BT, BC), dtype)
             t0 = b * BT
-            for tt in T.Parallel(BT):
-                tok = t0 + tt
+            tx = T.get_thread_binding()
+            if tx < BT:
+                tok = t0 + tx
                 if tok < NT:
                     for q in T.unroll(M + 1):
                         mix[q] = partial[0, tok, q]
@@ -162,30 +169,34 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
                     for i in T.unroll(n):
                         pre_out[tok, i] = pre_l[i]
                         post_out[tok, i] = post_l[i]
-                        pre_s[tt, i] = pre_l[i]
+                        pre_s[tx, i] = pre_l[i]
                         for j in T.unroll(n):
                             res_out[tok, i, j] = comb[j * n + i]
                 else:
                     for i in T.unroll(n):
-                        pre_s[tt, i] = T.float32(0)
-            for cb in T.serial(NC):
+                        pre_s[tx, i] = T.float32(0)
+            T.sync_threads()
+            for cb in T.Pipelined(NC, num_stages=stages):
                 c0 = cb * BC
                 for j in lanes:
-                    T.copy(x[t0 : t0 + BT, j, c0 : c0 + BC], xf[j])
+                    T.copy(x[t0 : t0 + BT, j, c0 : c0 + BC], xs[j])
                 for tt, c in T.Parallel(BT, BC):
-                    yf[tt, c] = T.cast(sum([pre_s[tt, j] * T.cast(xf[j][tt, c], "float32") for j in lanes]), dtype)
+                    yf[tt, c] = T.cast(sum([pre_s[tt, j] * T.cast(xs[j][tt, c], "float32") for j in lanes]), dtype)
                 T.copy(yf, y[t0 : t0 + BT, c0 : c0 + BC])
 
     return apply
 
 
 @functools.lru_cache(maxsize=None)
-def split_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, block_m: int = 64,
-                  block_k: int = 128, splits: int = 4, stages: int = 3, block_tokens: int = 32):
+def split_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, block_m: int = 256,
+                  block_k: int = 64, splits: int = 4, stages: int = 3, block_tokens: int = 16):
     """(phi_split, project, apply) compiled kernels, cached per process."""
     return (
         compile_program(phi_split_program(n, C, target), target),
         compile_program(project_program(n, C, dtype, target, block_m=block_m, block_k=block_k, splits=splits,
                                         stages=stages), target),
-        compile_program(apply_program(n, C, dtype, target, splits=splits, block_tokens=block_tokens), target),
+        # the apply pass runs without warp specialisation: a producer warpgroup would hold registers that are
+        # better spent on more resident CTAs, whose coefficient phases then overlap other CTAs' streaming
+        compile_program(apply_program(n, C, dtype, target, splits=splits, block_tokens=block_tokens), target,
+                        pass_configs=NO_WARP_SPECIALIZATION),
     )
