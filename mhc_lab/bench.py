@@ -1,6 +1,7 @@
 """Benchmarks that record GPU figures as JSON in mhc_lab/recorded/ (tagged with GPU, versions and date).
 
     python -m mhc_lab.bench memory-wall [--out DIR]   lab 04: copy bandwidth, naive layers, launches
+    python -m mhc_lab.bench tilelang [--out DIR]      lab 05: TileLang RMSNorm, residual add and copy vs eager
     python -m mhc_lab.bench forward [--out DIR]       lab 06: fused mHC forward vs eager, compile, TileKernels
     python -m mhc_lab.bench all [--out DIR]
 """
@@ -12,6 +13,7 @@ import sys
 
 SUITES = {
     "memory-wall": "mhc_lab.course.bench_memory_wall",
+    "tilelang": "mhc_lab.course.bench_tilelang",
     "forward": "mhc_lab.course.bench_forward",
 }
 
