@@ -133,7 +133,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA G
 
 
 @needs_cuda
-@pytest.mark.parametrize("plan", ["split", "cluster"])
+@pytest.mark.parametrize("plan", ["split", "lookback", "cluster"])
 @pytest.mark.parametrize("n,C,tokens", [(4, 40, 7), (4, 200, 33), (4, 4096, 257), (4, 2560, 1), (2, 72, 33),
                                         (8, 40, 7), (1, 72, 7)])
 def test_cuda_pre_and_post_match_float64_reference(plan, n, C, tokens):

@@ -28,7 +28,7 @@ from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
 SHAPES = ((16384, 2560), (16384, 4096), (8192, 7168))
 N = 4
 BASELINES = ("eager", "compile", "tilekernels")
-PLANS = ("split", "cluster")
+PLANS = ("split", "lookback", "cluster")
 
 
 def site_bytes(tokens: int, C: int, n: int = N, itemsize: int = 2) -> int:
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES),
                         help="comma-separated TOKENSxC (default: the three issue shapes)")
     parser.add_argument("--skip", default="", help="comma-separated baselines to skip: eager,compile,tilekernels")
-    parser.add_argument("--plans", default=",".join(PLANS), help="pre plans of ours to time: split,cluster")
+    parser.add_argument("--plans", default=",".join(PLANS), help="pre plans of ours to time: split,lookback,cluster")
     parser.add_argument("--name", default="forward_h200", help="recording name (mhc_lab/recorded/NAME.json)")
     parser.add_argument("--out", "--out-dir", dest="out_dir", default=None,
                         help="write the JSON here instead of mhc_lab/recorded")

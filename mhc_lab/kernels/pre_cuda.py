@@ -1,8 +1,9 @@
 """Launch the CUDA pre plans on torch tensors (scratch buffers included): what mhc_lab.ops calls.
 
-Plans (see pre.py): 'split' (phi split + projection pass + apply pass; n = 1..8) and 'cluster' (one pass,
-n = 4, C small enough for the phi slice to stay in shared memory). 'auto' takes 'cluster' where it fits and
-was measured faster on the H200 (docs/kernel-notes.md), else 'split'.
+Plans (see pre.py): 'split' (phi split + projection pass + apply pass; n = 1..8), 'lookback' (phi split +
+one pass over x whose second read hits L2; n = 1..8) and 'cluster' (one pass, n = 4, C small enough for the
+phi slice to stay in shared memory). 'auto' takes the plan measured fastest on the H200
+(docs/kernel-notes.md) among those that fit.
 """
 
 import torch
@@ -13,19 +14,26 @@ from mhc_lab.kernels.pre_split import phi_rows, split_kernels
 # Tuning of each plan; the benchmark overrides these to compare variants.
 SPLIT_DEFAULTS = {"block_m": 256, "block_k": 64, "splits": 4, "stages": 3, "block_tokens": 16}
 CLUSTER_DEFAULTS = {"cluster": 16, "block_tokens": 16, "stages": 2, "iters": 16, "threads": 256}
-AUTO_USES_CLUSTER = False  # switched on only once the cluster plan is measured correct and faster
+LOOKBACK_DEFAULTS = {"block_tokens": 128, "block_k": 64, "stages": 3, "apply_c": 32}
+AUTO_PLAN = "split"  # what 'auto' picks; set from the H200 measurements
+PLANS = ("auto", "split", "lookback", "cluster")
+
+
+def lookback_splits(C: int) -> int:
+    """Column splits of a token tile in the lookback plan: ~256 columns per CTA, at most 16 CTAs."""
+    return max(1, min(16, round(C / 256)))
 
 
 def choose_plan(n: int, C: int, plan: str = "auto") -> str:
     from mhc_lab.kernels.pre_cluster import cluster_config
 
-    if plan not in ("auto", "split", "cluster"):
-        raise ValueError(f"plan: expected 'auto', 'split' or 'cluster', got {plan!r}")
+    if plan not in PLANS:
+        raise ValueError(f"plan: expected one of {PLANS}, got {plan!r}")
     fits = cluster_config(n, C, **CLUSTER_DEFAULTS)["fits"]
     if plan == "cluster" and not fits:
         raise ValueError(f"plan 'cluster' needs n = 4 and a phi slice that fits in shared memory; got n = {n}, C = {C}")
     if plan == "auto":
-        return "cluster" if (fits and AUTO_USES_CLUSTER) else "split"
+        return "split" if (AUTO_PLAN == "cluster" and not fits) else AUTO_PLAN
     return plan
 
 
@@ -41,6 +49,18 @@ def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, plan: str = "auto", 
         cfg = {**CLUSTER_DEFAULTS, **overrides}
         kernel = cluster_kernel(n, C, "bfloat16", "cuda", **cfg)
         kernel(x, phi, bias, alpha, y, pre, post, res)
+        return chosen
+    if chosen == "lookback":
+        from mhc_lab.kernels.pre_lookback import lookback_kernel
+        from mhc_lab.kernels.pre_split import phi_split_kernel
+
+        cfg = {"splits": lookback_splits(C), **LOOKBACK_DEFAULTS, **overrides}
+        kernel = lookback_kernel(n, C, "bfloat16", "cuda", **cfg)
+        phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
+        partial = torch.empty((cfg["splits"], tokens, mixes_width(n) + 1), dtype=torch.float32, device=x.device)
+        sync = torch.zeros((2, -(-tokens // cfg["block_tokens"])), dtype=torch.int32, device=x.device)
+        phi_split_kernel(n, C, "cuda")(phi, phi_hl)
+        kernel(x, phi_hl, bias, alpha, partial, sync, y, pre, post, res)
         return chosen
     cfg = {**SPLIT_DEFAULTS, **overrides}
     phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda", **cfg)

@@ -188,11 +188,17 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
 
 
 @functools.lru_cache(maxsize=None)
+def phi_split_kernel(n: int, C: int, target: str = "cuda"):
+    """The compiled phi split kernel (cached per process)."""
+    return compile_program(phi_split_program(n, C, target), target)
+
+
+@functools.lru_cache(maxsize=None)
 def split_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, block_m: int = 256,
                   block_k: int = 64, splits: int = 4, stages: int = 3, block_tokens: int = 16):
     """(phi_split, project, apply) compiled kernels, cached per process."""
     return (
-        compile_program(phi_split_program(n, C, target), target),
+        phi_split_kernel(n, C, target),
         compile_program(project_program(n, C, dtype, target, block_m=block_m, block_k=block_k, splits=splits,
                                         stages=stages), target),
         # the apply pass runs without warp specialisation: a producer warpgroup would hold registers that are
