@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from mhc_lab.course import bytes_model, profiling, roofline
-from mhc_lab.course.measure import load_recording, resolve_device, save_recording, synchronize, time_fn
+from mhc_lab.course.measure import load_recording, resolve_device, save_recording, time_fn
 from mhc_lab.course.naive_layers import make_layer
 
 RECORDING = "memory_wall_h200"
@@ -59,23 +58,18 @@ def measure_shape(tokens: int, n: int, C: int, device, dtype: torch.dtype, *, co
         layer = make_layer(name, tokens, n, C, device, dtype)
         passes = [("forward", layer.forward)] + ([("forward+backward", layer.forward_backward)] if backward else [])
         for direction, fn in passes:
-            timing = time_fn(fn, warmup=warmup, repeat=repeat, device=device)
+            both = profiling.compare_compile(fn, device, compile=compile and name != "residual", warmup=warmup,
+                                             repeat=repeat)
             extra = {}
             if direction == "forward":
                 trace = profiling.trace_ops(fn)
                 extra = {"traced_ops": trace.launches, "traced_bytes": trace.bytes_moved, "syncs": trace.syncs}
-            rows.append(_row(layer, "eager", direction, timing, profiling.launches(fn, device), copy_gbs, **extra))
+            eager, fast = both["eager"], both["compiled"]
+            rows.append(_row(layer, "eager", direction, eager["timing"], eager["launches"], copy_gbs, **extra))
             log(_describe(rows[-1]))
-            if compile and name != "residual":
-                torch._dynamo.reset()  # a cold compile for every layer, so compile times compare
-                fast = torch.compile(fn)
-                start = time.perf_counter()
-                fast()
-                synchronize(device)
-                compile_s = time.perf_counter() - start
-                timing = time_fn(fast, warmup=warmup, repeat=repeat, device=device)
-                count = profiling.launches(fast, device) if device.type == "cuda" else None
-                rows.append(_row(layer, "compiled", direction, timing, count, copy_gbs, compile_s=compile_s))
+            if fast is not None:
+                rows.append(_row(layer, "compiled", direction, fast["timing"], fast["launches"], copy_gbs,
+                                 compile_s=fast["compile_s"]))
                 log(_describe(rows[-1]))
         del layer
         if device.type == "cuda":

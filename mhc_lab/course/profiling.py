@@ -274,31 +274,32 @@ def launches(fn: Callable[[], object], device: torch.device | str) -> int:
 # ---- eager against torch.compile --------------------------------------------------------------------------
 
 
-def compiled(fn: Callable[[], object]) -> Callable[[], object]:
-    """``torch.compile`` of a no-argument call (the first call compiles; a CPU needs a C++ compiler)."""
-    return torch.compile(fn)
+def compile_call(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 2,
+                 repeat: int = 10) -> dict:
+    """``torch.compile`` a no-argument call from cold (a CPU needs a C++ compiler) and measure it:
+    {"timing" (measure.time_fn), "launches" (None on a CPU: a compiled graph runs its fused loops inside one
+    call), "compile_s" (the first call, which compiles)}."""
+    import time
+
+    device = torch.device(device)
+    torch._dynamo.reset()  # a cold compile every time, so compile times compare
+    fast = torch.compile(fn)
+    start = time.perf_counter()
+    fast()
+    synchronize(device)
+    compile_s = time.perf_counter() - start
+    return {"timing": time_fn(fast, warmup=warmup, repeat=repeat, device=device),
+            "launches": launches(fast, device) if device.type == "cuda" else None, "compile_s": compile_s}
 
 
 def compare_compile(fn: Callable[[], object], device: torch.device | str, *, compile: bool = True,
                     warmup: int = 2, repeat: int = 10) -> dict:
-    """Median time and launches of ``fn`` eager and, if ``compile``, compiled:
-    {"eager": {"seconds", "launches"}, "compiled": {...} or None, "compile_seconds"}. On a CPU the compiled
-    launches are None: a compiled graph runs its fused loops inside one call."""
-    import time
-
+    """``fn`` eager and, if ``compile``, compiled: {"eager": {"timing", "launches"}, "compiled": {"timing",
+    "launches", "compile_s"} or None}."""
     device = torch.device(device)
-    out = {"eager": {"seconds": time_fn(fn, warmup=warmup, repeat=repeat, device=device)["median_s"],
-                     "launches": launches(fn, device)},
-           "compiled": None, "compile_seconds": None}
-    if compile:
-        fast = compiled(fn)
-        start = time.perf_counter()
-        fast()
-        synchronize(device)
-        out["compile_seconds"] = time.perf_counter() - start
-        out["compiled"] = {"seconds": time_fn(fast, warmup=warmup, repeat=repeat, device=device)["median_s"],
-                           "launches": launches(fast, device) if device.type == "cuda" else None}
-    return out
+    eager = {"timing": time_fn(fn, warmup=warmup, repeat=repeat, device=device), "launches": launches(fn, device)}
+    return {"eager": eager,
+            "compiled": compile_call(fn, device, warmup=warmup, repeat=repeat) if compile else None}
 
 
 # ---- figures ----------------------------------------------------------------------------------------------
