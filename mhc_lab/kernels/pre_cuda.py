@@ -12,9 +12,9 @@ from mhc_lab.kernels._coefficients import mixes_width
 from mhc_lab.kernels.pre_split import phi_rows, split_kernels
 
 # Tuning of each plan; the benchmark overrides these to compare variants.
-SPLIT_DEFAULTS = {"block_m": 256, "block_k": 64, "splits": 4, "stages": 3, "block_tokens": 16}
+SPLIT_DEFAULTS = {"block_m": 128, "block_k": 128, "splits": 4, "stages": 3, "block_tokens": None, "project_ws": True}
 CLUSTER_DEFAULTS = {"cluster": 16, "block_tokens": 16, "stages": 2, "iters": 16, "threads": 256}
-LOOKBACK_DEFAULTS = {"block_tokens": 128, "block_k": 64, "stages": 3, "apply_c": 32}
+LOOKBACK_DEFAULTS = {"block_tokens": 64, "block_k": 128, "stages": 3, "apply_c": 64, "apply_stages": 2}
 AUTO_PLAN = "split"  # what 'auto' picks; set from the H200 measurements
 PLANS = ("auto", "split", "lookback", "cluster")
 
@@ -57,10 +57,10 @@ def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, plan: str = "auto", 
         cfg = {"splits": lookback_splits(C), **LOOKBACK_DEFAULTS, **overrides}
         kernel = lookback_kernel(n, C, "bfloat16", "cuda", **cfg)
         phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
-        partial = torch.empty((cfg["splits"], tokens, mixes_width(n) + 1), dtype=torch.float32, device=x.device)
+        mixes = torch.zeros((tokens, mixes_width(n) + 1), dtype=torch.float32, device=x.device)
         sync = torch.zeros((2, -(-tokens // cfg["block_tokens"])), dtype=torch.int32, device=x.device)
         phi_split_kernel(n, C, "cuda")(phi, phi_hl)
-        kernel(x, phi_hl, bias, alpha, partial, sync, y, pre, post, res)
+        kernel(x, phi_hl, bias, alpha, mixes, sync, y, pre, post, res)
         return chosen
     cfg = {**SPLIT_DEFAULTS, **overrides}
     phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda", **cfg)

@@ -4,9 +4,9 @@
 # lane of tokens [b BT, (b+1) BT). Each CTA
 #   1. streams its slice through shared memory (cp.async pipeline) into the tensor cores: partial projections
 #      [BT, n^2+2n] against phi split as hi + lo bf16 (phi_hl, prepared once per call), and partial sums of
-#      squares; writes them to a float32 scratch [S, T, n^2+2n+1];
-#   2. arrives on its tile's counter (fence, atomic add). The last of the S to arrive sums the S partials, runs
-#      the per-token coefficient code (norm after the matmul, sigmoids, 20 Sinkhorn rounds; one thread per
+#      squares, which it adds (float32 atomics) into a zeroed [T, n^2+2n+1] scratch;
+#   2. arrives on its tile's counter (fence, atomic add). The last of the S to arrive reads the tile's sums,
+#      runs the per-token coefficient code (norm after the matmul, sigmoids, 20 Sinkhorn rounds; one thread per
 #      token), writes pre/post/res and raises the tile's flag; the others wait for the flag;
 #   3. reads H_pre of its tokens and applies it to its own slice again -- just streamed, so an L2 hit -- and
 #      writes its columns of y.
@@ -15,9 +15,11 @@
 # dispatch of CUDA thread blocks that this plan assumes.
 #
 # Bytes per token from HBM: nC read + C written (+ coefficients and partials): the 10 C of a pre at bf16.
-# L2 -> SM per token: 2 nC (x twice), phi 2 (n^2+2n) 2 nC / BT = 1.5 C at BT = 256 (hi + lo bf16), partials
-# 2 S (n^2+2n+1) 4 = 3.2 KB at S = 16. The L2 must hold every resident CTA's slice between its two reads:
-# resident CTAs x BT x 2 nC / S bytes.
+# L2 -> SM per token: 2 nC (x twice), phi 2 (n^2+2n) 2 nC / BT bytes = 6 C at BT = 64 (hi + lo bf16), and
+# S (n^2+2n+1) float32 atomics. The L2 must hold every resident CTA's slice between its two reads: resident
+# CTAs x BT x 2 nC / S bytes (33 MB at BT = 64, S = 16, C = 4096, two CTAs per SM).
+# The float32 atomics make the sums' rounding order, and so the last bits of the coefficients, vary between
+# runs (the split plan is deterministic).
 """pre, lookback plan: one launch, tile-level hand-off through a counter and a flag in global memory."""
 
 import functools
@@ -34,6 +36,7 @@ NO_WARP_SPECIALIZATION = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: Tr
 _PRELUDE = r"""
 // Loads that bypass L1 (data written by other SMs during this launch), and the tile hand-off.
 __device__ __forceinline__ float mhc_ldcg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ void mhc_fence() { __threadfence(); }
 __device__ __forceinline__ int mhc_arrive(int* counter) { __threadfence(); return atomicAdd(counter, 1); }
 __device__ __forceinline__ void mhc_raise(int* flag) { __threadfence(); atomicExch(flag, 1); }
 __device__ __forceinline__ int mhc_wait(int* flag) {
@@ -44,22 +47,26 @@ __device__ __forceinline__ int mhc_wait(int* flag) {
 """
 
 
-def lookback_config(n: int, C: int, *, splits: int = 16, block_tokens: int = 128, block_k: int = 64,
-                    stages: int = 3, apply_c: int = 32, threads: int = 256) -> dict:
-    cw = round_up(ceil_div(C, splits), block_k)
+def lookback_config(n: int, C: int, *, splits: int = 16, block_tokens: int = 64, block_k: int = 128,
+                    stages: int = 3, apply_c: int = 64, apply_stages: int = 2, threads: int = 256) -> dict:
+    cw = round_up(ceil_div(C, splits), max(block_k, apply_c))
     return {"n": n, "C": C, "splits": splits, "block_tokens": block_tokens, "block_k": block_k, "stages": stages,
-            "apply_c": apply_c, "threads": threads, "cw": cw, "fits": 1 <= n <= 8 and (n * C) % 8 == 0}
+            "apply_c": apply_c, "apply_stages": apply_stages, "threads": threads, "cw": cw,
+            "fits": 1 <= n <= 8 and (n * C) % 8 == 0}
 
 
 def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 16,
-                     block_tokens: int = 128, block_k: int = 64, stages: int = 3, apply_c: int = 32,
-                     threads: int = 256, iterations: int = 20):
+                     block_tokens: int = 64, block_k: int = 128, stages: int = 3, apply_c: int = 64,
+                     apply_stages: int = 2, threads: int = 256, iterations: int = 20):
+    """Arguments at run time: x [T, n, C] bf16, phi_hl [phi_rows, nC] bf16 (pre_split.phi_split_program),
+    bias, alpha, then scratch: mixes [T, n^2+2n+1] f32 and sync [2, ceil(T / block_tokens)] int32, both zeroed
+    before every launch; then outputs y, pre, post, res."""
     if canonical_target(target) == "c":
         raise ValueError("pre lookback plan: CUDA only")
     if dtype != "bfloat16":
         raise ValueError(f"pre lookback plan: expected dtype 'bfloat16', got {dtype!r}")
     cfg = lookback_config(n, C, splits=splits, block_tokens=block_tokens, block_k=block_k, stages=stages,
-                          apply_c=apply_c, threads=threads)
+                          apply_c=apply_c, apply_stages=apply_stages, threads=threads)
     M = mixes_width(n)
     NP = phi_rows(n)
     S, BT, BK, TH = splits, block_tokens, block_k, threads
@@ -68,6 +75,7 @@ def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cud
     BA = apply_c
     NA = CW // BA
     K = n * C
+    G = BT * (M + 1)
     NT = T.dynamic("T")
     lanes = list(range(n))
     coefficients = coefficient_macro(n, C, iterations=iterations)
@@ -78,7 +86,7 @@ def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cud
         phi_hl: T.Tensor((NP, K), "bfloat16"),
         bias: T.Tensor((M,), "float32"),
         alpha: T.Tensor((3,), "float32"),
-        partial: T.Tensor((S, NT, M + 1), "float32"),
+        mixes: T.Tensor((NT, M + 1), "float32"),
         sync: T.Tensor((2, T.ceildiv(NT, BT)), "int32"),
         y: T.Tensor((NT, C), dtype),
         pre_out: T.Tensor((NT, n), "float32"),
@@ -94,9 +102,10 @@ def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cud
             sq = T.alloc_fragment((BT,), "float32")
             acc_s = T.alloc_shared((BT, NP), "float32")
             sq_s = T.alloc_shared((BT,), "float32")
+            mix_s = T.alloc_shared((BT, M + 1), "float32")
             pre_s = T.alloc_shared((BT, n), "float32")
             last_s = T.alloc_shared((1,), "int32")
-            xa = [T.alloc_fragment((BT, BA), dtype) for _ in lanes]
+            xa = [T.alloc_shared((BT, BA), dtype) for _ in lanes]
             ya = T.alloc_fragment((BT, BA), dtype)
             mix = T.alloc_local((M + 1,), "float32")
             pre_l = T.alloc_local((n,), "float32")
@@ -107,7 +116,7 @@ def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cud
             c0 = s * CW
             T.clear(acc)
             T.clear(sq_acc)
-            # 1. this CTA's slice: every lane j, columns [c0, c0 + CW), in chunks of BK
+            # 1. this CTA's slice -- every lane j, columns [c0, c0 + CW) -- through the tensor cores
             for q in T.Pipelined(n * NCW, num_stages=stages):
                 j = q // NCW
                 cc = c0 + (q % NCW) * BK
@@ -122,39 +131,47 @@ def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cud
             T.copy(acc, acc_s)
             T.copy(sq, sq_s)
             T.sync_threads()
-            for g0 in T.serial(ceil_div(BT * (M + 1), TH)):
+            # add the partial mixes of these columns into the tile's float32 sums (red.global.add)
+            for g0 in T.serial(ceil_div(G, TH)):
                 g = g0 * TH + tx
-                if g < BT * (M + 1):
+                if g < G:
                     t = g // (M + 1)
                     m = g % (M + 1)
                     if t0 + t < NT:
-                        if m < M:
-                            partial[s, t0 + t, m] = acc_s[t, m] + acc_s[t, M + m]
-                        else:
-                            partial[s, t0 + t, m] = sq_s[t]
-            # 2. hand-off: the last CTA of the tile to arrive makes the coefficients
+                        T.atomic_add(mixes[t0 + t, m],
+                                     T.if_then_else(m < M, acc_s[t, T.min(m, M - 1)] + acc_s[t, M + T.min(m, M - 1)],
+                                                    sq_s[t]))
+            T.call_extern("handle", "mhc_fence")
+            # 2. hand-off: the last CTA of the tile to arrive makes the coefficients, the others wait for them
             T.sync_threads()
             if tx == 0:
                 old = T.call_extern("int32", "mhc_arrive", T.address_of(sync[0, b]))
                 last_s[0] = T.if_then_else(old == S - 1, 1, 0)
             T.sync_threads()
             if last_s[0] == 1:
+                for g0 in T.serial(ceil_div(G, TH)):
+                    g = g0 * TH + tx
+                    if g < G:
+                        t = g // (M + 1)
+                        m = g % (M + 1)
+                        mix_s[t, m] = T.if_then_else(
+                            t0 + t < NT, T.call_extern("float32", "mhc_ldcg", T.address_of(mixes[t0 + t, m])),
+                            T.float32(1))
+                T.sync_threads()
                 for tt in T.serial(ceil_div(BT, TH)):
                     t = tt * TH + tx
-                    if t < BT and t0 + t < NT:
-                        tok = t0 + t
+                    if t < BT:
                         for q in T.unroll(M + 1):
-                            mix[q] = T.call_extern("float32", "mhc_ldcg", T.address_of(partial[0, tok, q]))
-                        for r in T.serial(S - 1):
-                            for q in T.unroll(M + 1):
-                                mix[q] = mix[q] + T.call_extern("float32", "mhc_ldcg",
-                                                                T.address_of(partial[r + 1, tok, q]))
+                            mix[q] = mix_s[t, q]
                         coefficients(mix, alpha, bias, pre_l, post_l, comb)
                         for i in T.unroll(n):
-                            pre_out[tok, i] = pre_l[i]
-                            post_out[tok, i] = post_l[i]
-                            for jj in T.unroll(n):
-                                res_out[tok, i, jj] = comb[jj * n + i]
+                            pre_s[t, i] = pre_l[i]
+                        if t0 + t < NT:
+                            for i in T.unroll(n):
+                                pre_out[t0 + t, i] = pre_l[i]
+                                post_out[t0 + t, i] = post_l[i]
+                                for jj in T.unroll(n):
+                                    res_out[t0 + t, i, jj] = comb[jj * n + i]
                 T.sync_threads()
                 if tx == 0:
                     T.call_extern("handle", "mhc_raise", T.address_of(sync[1, b]))
@@ -162,17 +179,17 @@ def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cud
                 if tx == 0:
                     last_s[0] = T.call_extern("int32", "mhc_wait", T.address_of(sync[1, b]))
                 T.sync_threads()
-            for g0 in T.serial(ceil_div(BT * n, TH)):
-                g = g0 * TH + tx
-                if g < BT * n:
-                    t = g // n
-                    i = g % n
-                    pre_s[t, i] = T.if_then_else(
-                        t0 + t < NT, T.call_extern("float32", "mhc_ldcg", T.address_of(pre_out[t0 + t, i])),
-                        T.float32(0))
+                for g0 in T.serial(ceil_div(BT * n, TH)):
+                    g = g0 * TH + tx
+                    if g < BT * n:
+                        t = g // n
+                        i = g % n
+                        pre_s[t, i] = T.if_then_else(
+                            t0 + t < NT, T.call_extern("float32", "mhc_ldcg", T.address_of(pre_out[t0 + t, i])),
+                            T.float32(0))
             T.sync_threads()
-            # 3. y over this CTA's columns, re-reading its slice (from L2)
-            for a in T.serial(NA):
+            # 3. y over this CTA's columns, re-reading its slice (an L2 hit: it was streamed moments ago)
+            for a in T.Pipelined(NA, num_stages=apply_stages):
                 ca = c0 + a * BA
                 for j in lanes:
                     T.copy(x[t0 : t0 + BT, j, ca : ca + BA], xa[j])
