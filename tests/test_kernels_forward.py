@@ -139,9 +139,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA G
 def test_cuda_pre_and_post_match_float64_reference(plan, n, C, tokens):
     from mhc_lab.kernels.pre_cluster import cluster_config
     from mhc_lab.kernels.pre_cuda import CLUSTER_DEFAULTS
+    from mhc_lab.kernels.pre_lookback import lookback_config
 
     if plan == "cluster" and not cluster_config(n, C, **CLUSTER_DEFAULTS)["fits"]:
         pytest.skip(f"cluster plan not built for n = {n}, C = {C}")
+    if plan == "lookback" and not lookback_config(n, C)["fits"]:
+        pytest.skip(f"lookback plan not built for n = {n}")
     x, phi, bias, alpha, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=tokens + C)
     y_ref, pre_ref, post_ref, res_ref, _ = _reference(x, phi, bias, alpha, f)
     got = mhc_pre_fused(x, phi, bias, alpha, plan=plan, out=_poisoned_pre(tokens, n, C, torch.bfloat16, "cuda"))
@@ -162,13 +165,14 @@ def test_cuda_pre_and_post_match_float64_reference(plan, n, C, tokens):
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
 def test_cuda_kernels_build_for_sm90():
     from mhc_lab.kernels.post import post_kernel
-    from mhc_lab.kernels.pre_cluster import cluster_kernel
+    from mhc_lab.kernels.pre_cuda import LOOKBACK_DEFAULTS, SPLIT_DEFAULTS, lookback_splits
+    from mhc_lab.kernels.pre_lookback import lookback_kernel
     from mhc_lab.kernels.pre_split import split_kernels
 
     post = post_kernel(4, 4096, "bfloat16", "sm_90")
     assert "uint4" in post.get_kernel_source()  # 16-byte vector loads of the lanes
-    kernels = split_kernels(4, 4096, "bfloat16", "sm_90")
+    kernels = split_kernels(4, 4096, "bfloat16", "sm_90", **SPLIT_DEFAULTS)  # what 'auto' runs
     assert any("wgmma" in k.get_kernel_source() for k in kernels)  # Hopper tensor cores for the projection
-    cluster = cluster_kernel(4, 2560, "bfloat16", "sm_90")
-    src = cluster.get_kernel_source()
-    assert "cluster_sync" in src and "mhc_cluster_load" in src
+    lookback = lookback_kernel(4, 2560, "bfloat16", "sm_90", splits=lookback_splits(2560), **LOOKBACK_DEFAULTS)
+    src = lookback.get_kernel_source()
+    assert "mhc_arrive" in src and "mhc_wait" in src  # the tile hand-off

@@ -100,19 +100,20 @@ def _tilekernels():
     from tile_kernels.modeling.mhc import mhc_pre as tk_pre
     from tile_kernels.modeling.mhc.ops.post import mhc_post as tk_post
 
-    def site(x, phi, bias, alpha):
+    def site(x, phi, bias, alpha):  # TileKernels wants [sequences, tokens, n, C]
         with torch.no_grad():
-            y, (post_mix, comb_mix) = tk_pre(x, phi, alpha, bias, post_mult_value=2.0, sinkhorn_repeat=20)
-            return tk_post(y, x, post_mix, comb_mix)
+            r = x.unsqueeze(0)
+            y, (post_mix, comb_mix) = tk_pre(r, phi, alpha, bias, post_mult_value=2.0, sinkhorn_repeat=20)
+            return tk_post(y, r, post_mix, comb_mix).squeeze(0)
 
     return site
 
 
-def _ours(plan):
+def _ours(plan, tuning=None):
     from mhc_lab.ops import mhc_post_fused, mhc_pre_fused
 
     def site(x, phi, bias, alpha):
-        o = mhc_pre_fused(x, phi, bias, alpha, plan=plan)
+        o = mhc_pre_fused(x, phi, bias, alpha, plan=plan, tuning=tuning)
         return mhc_post_fused(x, o.layer_input, o.post, o.res)
 
     return site
@@ -123,7 +124,9 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def bench_shape(tokens, C, bench, *, skip=(), plans=PLANS, log=print) -> dict:
+def bench_shape(tokens, C, bench, *, skip=(), plans=PLANS, variants=(), log=print) -> dict:
+    """Times and errors of every implementation on one shape; variants: ours with other tunings,
+    [{"name": ..., "plan": ..., "tuning": {...}}], timed as whole sites too."""
     from mhc_lab.ops import mhc_post_fused, mhc_pre_fused
 
     x, phi, bias, alpha = _inputs(tokens, C)
@@ -137,7 +140,7 @@ def bench_shape(tokens, C, bench, *, skip=(), plans=PLANS, log=print) -> dict:
     if "eager" not in skip:
         impls["eager"] = reference_site
     if "compile" not in skip:
-        impls["compile"] = torch.compile(reference_site)
+        impls["compile"] = torch.compile(reference_site, dynamic=True)
     if "tilekernels" not in skip:
         try:
             impls["tilekernels"] = _tilekernels()
@@ -145,6 +148,8 @@ def bench_shape(tokens, C, bench, *, skip=(), plans=PLANS, log=print) -> dict:
             out["errors"]["tilekernels"] = repr(e)
     for plan in plans:
         impls[f"ours_{plan}"] = _ours(plan)
+    for v in variants:
+        impls[v["name"]] = _ours(v["plan"], v.get("tuning"))
     for name, fn in impls.items():
         try:
             got = fn(x, phi, bias, alpha)
@@ -250,6 +255,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-save", action="store_true", help="print only")
     parser.add_argument("--sweep", default="", help="JSON {plan: [tuning dicts]} to time the pre kernel alone")
     parser.add_argument("--sweep-only", action="store_true", help="only the --sweep part (no site timings)")
+    parser.add_argument("--variants", default="", help='JSON [{"name", "plan", "tuning"}]: more tunings of ours')
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench forward needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/forward_h200.json")
@@ -271,7 +277,10 @@ def main(argv=None) -> int:
             results["sweeps"].append({"tokens": tokens, "C": C,
                                       "rows": sweep_pre(tokens, C, bench, plan, variants)})
         if not args.sweep_only:
-            results["shapes"].append(bench_shape(tokens, C, bench, skip=skip, plans=plans))
+            variants = json.loads(args.variants) if args.variants else []
+            results["shapes"].append(bench_shape(tokens, C, bench, skip=skip, plans=plans, variants=variants))
+            if not args.no_save:  # keep what is measured so far, should a later shape not finish
+                save_recording(args.name, {**results, "partial": True}, directory=args.out_dir)
         torch.cuda.empty_cache()
     results["wall_s"] = round(time.time() - t0, 1)
     print(summarize(results))

@@ -12,12 +12,16 @@
 # FLOPs per token: 2 (n^2 + 2n) nC = 192 C for the projection, ~1.5k for the sigmoids and 20 Sinkhorn rounds,
 # 2 nC for H_pre x: ~20 FLOP per byte, far below any roofline ridge (memory-bound).
 #
-# This module holds the plans and picks one:
+# The plans (docs/kernel-notes.md has their bytes and H200 timings):
 #   - target 'c': one fused program (below): a program instance owns a tile of tokens and walks each
 #     token's whole nC row twice in plain loops (projection + squared norm, then H_pre x), with the shared
 #     per-token coefficient code of _coefficients.py between the two walks.
-#   - CUDA, split plan (pre_split.py): projection pass + apply pass, every n in 1..8.
-#   - CUDA, cluster plan (pre_cluster.py): one pass over x, n = 4, widths whose phi slice fits on chip.
+#   - CUDA, split plan (pre_split.py): projection pass + apply pass, every n in 1..8. The default: fastest
+#     measured (0.39 ms at 16384 x 4096 on an H200), though it reads x twice (18 C bytes per token, not 10 C).
+#   - CUDA, lookback plan (pre_lookback.py): one launch, x read once from HBM and once more from L2, tiles
+#     handed off through a counter and a flag; n = 2..8. Correct, slower (0.55 ms): the hand-off serialises.
+#   - CUDA, cluster plan (pre_cluster.py): one pass, phi resident in a 16-CTA cluster; n = 4, C up to ~5k.
+#     Correct, much slower (2.4 ms): one CTA per SM runs each tile's coefficients on its critical path.
 """pre: H_pre, H_post, H_res and the layer input H_pre x of one mHC site."""
 
 import functools
@@ -26,8 +30,6 @@ import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
 from mhc_lab.kernels._target import canonical_target, compile_program
-
-PLANS = ("auto", "split", "cluster")
 
 
 def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, block_tokens: int = 4,

@@ -19,6 +19,11 @@
 # S (n^2+2n+1) floats per token over DSMEM.
 # Limits: shared memory holds NP n CW (phi) + stages BT n CW (x) bf16: C up to about 5k at S = 16; n = 4.
 # Launch: grid = S x ceil(tiles / ITERS) CTAs in clusters of S (non-portable size 16 where S = 16).
+# Measured (H200, 2026-11-29, pre alone, 16384 tokens): 2.6 ms at C = 2560, 2.4 ms at C = 4096 -- correct, but
+# 6-10x slower than the split plan. With 215 KB of shared memory one CTA fits per SM, and a tile's critical
+# path (the tensor cores reading the whole phi slice from shared memory, the cluster barrier, the DSMEM
+# gather, the one-thread-per-token Sinkhorn, the apply) is several times the ~1 us it takes HBM to deliver
+# the tile; nothing overlaps it. Kept as a measured lesson, not used by 'auto'.
 """pre, cluster plan: one pass over the lanes with phi resident across a thread-block cluster."""
 
 import functools

@@ -12,10 +12,11 @@ from mhc_lab.kernels._coefficients import mixes_width
 from mhc_lab.kernels.pre_split import phi_rows, split_kernels
 
 # Tuning of each plan; the benchmark overrides these to compare variants.
-SPLIT_DEFAULTS = {"block_m": 128, "block_k": 128, "splits": 4, "stages": 3, "block_tokens": None, "project_ws": True}
+SPLIT_DEFAULTS = {"block_m": 256, "block_k": 64, "splits": 4, "stages": 3, "block_tokens": 16, "block_c": 256,
+                  "apply_stages": 2, "project_ws": True}
 CLUSTER_DEFAULTS = {"cluster": 16, "block_tokens": 16, "stages": 2, "iters": 16, "threads": 256}
 LOOKBACK_DEFAULTS = {"block_tokens": 64, "block_k": 128, "stages": 3, "apply_c": 64, "apply_stages": 2}
-AUTO_PLAN = "split"  # what 'auto' picks; set from the H200 measurements
+AUTO_PLAN = "split"  # what 'auto' picks: fastest on the H200 at all three issue shapes (forward_h200.json)
 PLANS = ("auto", "split", "lookback", "cluster")
 
 
@@ -26,14 +27,20 @@ def lookback_splits(C: int) -> int:
 
 def choose_plan(n: int, C: int, plan: str = "auto") -> str:
     from mhc_lab.kernels.pre_cluster import cluster_config
+    from mhc_lab.kernels.pre_lookback import lookback_config
 
     if plan not in PLANS:
         raise ValueError(f"plan: expected one of {PLANS}, got {plan!r}")
     fits = cluster_config(n, C, **CLUSTER_DEFAULTS)["fits"]
     if plan == "cluster" and not fits:
         raise ValueError(f"plan 'cluster' needs n = 4 and a phi slice that fits in shared memory; got n = {n}, C = {C}")
+    lookback_fits = lookback_config(n, C)["fits"]
+    if plan == "lookback" and not lookback_fits:
+        raise ValueError(f"plan 'lookback' needs 2 <= n <= 8 and n * C a multiple of 8; got n = {n}, C = {C}")
     if plan == "auto":
-        return "split" if (AUTO_PLAN == "cluster" and not fits) else AUTO_PLAN
+        if (AUTO_PLAN == "cluster" and not fits) or (AUTO_PLAN == "lookback" and not lookback_fits):
+            return "split"
+        return AUTO_PLAN
     return plan
 
 
