@@ -61,7 +61,13 @@ def _row(kernel: str, impl: str, shape, dtype, counted: int, timing: dict, copy_
 
 
 def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((got.double() - expected.double()).abs().max().item()) if got.numel() else 0.0
+    """Relative error ||got - expected|| / ||expected|| (NaN, e.g. an unwritten output, gives inf)."""
+    if not got.numel():
+        return 0.0
+    got, expected = got.double(), expected.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-300))
 
 
 def run(device: str = "auto", *, quick: bool = False, repeat: int | None = None, log=print) -> dict:
@@ -112,14 +118,15 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
             try:
                 fn = make(config)
                 error = check(fn)
-                ok = error is not None and error <= (2e-2 if gpu else 1e-4)
+                # bf16 outputs carry ~3e-3 relative rounding; float32 on the CPU far less.
+                ok = error is not None and error <= (1e-2 if gpu else 1e-5)
                 timing = _seconds(fn, dev, repeat=repeat, inner=inner) if ok else None
             except Exception as failure:  # one bad tile shape must not stop the others
                 variants.append({"kernel": kernel_name, "config": list(config), "ok": False,
                                  "error": f"{type(failure).__name__}: {str(failure).splitlines()[0][:200]}"})
                 log(f"  {kernel_name} {config}: failed ({type(failure).__name__})")
                 continue
-            entry = {"kernel": kernel_name, "config": list(config), "ok": ok, "max_abs_error": error}
+            entry = {"kernel": kernel_name, "config": list(config), "ok": ok, "relative_error": error}
             if timing:
                 entry.update(_row(kernel_name, "tilelang", shape, dtype, counted, timing, copy_gbs))
                 log(f"  {kernel_name} {config}: {timing['median_s'] * 1e6:.1f} us, {entry['gbs']:.0f} GB/s")
@@ -128,7 +135,7 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
             variants.append(entry)
         if best is not None:
             rows.append(_row(kernel_name, "tilelang", shape, dtype, counted, best[1], copy_gbs,
-                             config=list(best[0]), max_abs_error=best[2]))
+                             config=list(best[0]), relative_error=best[2]))
 
     # Copy and residual add with TileLang.
     for kernel_name in ("copy", "residual_add"):
@@ -172,7 +179,7 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
         fn = lambda: torch.nn.functional.rms_norm(x, (C,), w, EPS)  # noqa: E731
         timing = _seconds(fn, dev, repeat=repeat, inner=inner)
         rows.append(_row("rmsnorm", "torch rms_norm", (N, C), dtype, counted, timing, copy_gbs,
-                         max_abs_error=_max_error(fn(), reference)))
+                         relative_error=_max_error(fn(), reference)))
     y = torch.empty_like(x)
 
     def make_rms(config):
