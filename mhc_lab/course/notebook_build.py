@@ -87,7 +87,9 @@ def build_lab(solution: nbformat.NotebookNode, name: str = "notebook"):
             raise MarkerError(f"{name}, cell {index}: solution markers belong in code cells only")
         for key in ("execution", "papermill", "collapsed", "scrolled"):
             cell.metadata.pop(key, None)
+    # Notebook-level run state: papermill's record and the widgets' saved state (fresh ids every run).
     lab.metadata.pop("papermill", None)
+    lab.metadata.pop("widgets", None)
     return lab, regions
 
 
