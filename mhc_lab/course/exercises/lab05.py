@@ -15,7 +15,8 @@ import torch
 
 from mhc_lab.course.bench_tilelang import fraction_of_copy_roof
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, expect_number, randn, register
-from mhc_lab.kernels.elementwise import compile_tile_program, residual_add_program
+from mhc_lab.kernels._target import compile_program
+from mhc_lab.kernels.elementwise import residual_add_program
 from mhc_lab.kernels.rmsnorm import rmsnorm_bytes, rmsnorm_program, rmsnorm_reference, row_sum_of_squares_program
 from mhc_lab.kernels.source import lines_matching
 
@@ -48,7 +49,7 @@ def _compile_for_c(answer, args: tuple, case: str):
             raise CheckFailed(f"{case}: expected your factory to return a tile program (the function decorated "
                               f"with @T.prim_func), got {type(program).__name__}. Did you forget the return?")
         try:
-            return compile_tile_program(program, "c")
+            return compile_program(program, "c")
         except Exception as error:
             lines = [line for line in str(error).splitlines() if line.strip()]
             detail = next((line for line in lines if "Error" in line or "error" in line), lines[-1] if lines else "")
