@@ -4,6 +4,8 @@
 #   make lab      install, then open JupyterLab on labs/
 #   make labs     regenerate labs/ from solutions/
 #   make bench    GPU benchmarks, recorded as JSON in mhc_lab/recorded/ (needs a CUDA GPU)
+#   make browser  what the browser test needs: Debian's Chromium (apt-get, as root or with sudo); playwright
+#                 comes with the test dependencies and drives that Chromium (it downloads no browser)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,8 +13,10 @@ TORCH  ?= torch==2.13.0
 SIZE   ?= small
 DEVICE ?= auto
 PY      = $(VENV)/bin/python
+CHROMIUM ?= /usr/bin/chromium
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install course test lab labs solutions bench clean
+.PHONY: install course test lab labs solutions bench browser clean
 
 install: $(VENV)/.installed
 
@@ -26,8 +30,14 @@ $(VENV)/.installed: pyproject.toml
 course: install
 	$(PY) -m mhc_lab.course.cli run --size $(SIZE) --device $(DEVICE) --out build/course
 
-test: install
-	$(PY) -m pytest
+test: install browser
+	MHC_LAB_BROWSER_TEST=required MHC_LAB_CHROMIUM=$(CHROMIUM) $(PY) -m pytest
+
+browser: install
+	@if [ -x "$(CHROMIUM)" ]; then echo "browser test: $$($(CHROMIUM) --version 2>/dev/null)"; else \
+	  echo "browser test: installing Debian's chromium and chromium-driver"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; fi
+	@$(PY) -c "import playwright.sync_api" || $(PY) -m pip install -q playwright
 
 lab: install
 	$(VENV)/bin/jupyter lab labs/

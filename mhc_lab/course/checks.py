@@ -201,7 +201,7 @@ def _recognise(got: torch.Tensor, mistakes: dict[str, torch.Tensor] | None) -> s
 
 
 def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(seed + _FRESH_INPUTS[0])
 
 
 def randn(*shape, seed: int, dtype=torch.float64, scale: float = 1.0) -> torch.Tensor:
@@ -217,3 +217,56 @@ def expect_number(got, expected: float, *, case: str, name: str, rel: float = 1e
         raise CheckFailed(f"{case}: expected {name} to be a number, got {type(got).__name__}") from None
     if abs(value - expected) > rel * max(abs(expected), 1e-12):
         raise CheckFailed(f"{case}: expected {name} = {expected:.6g}, got {value:.6g}. {explain}".rstrip())
+
+
+# ---- variants: each section or student can get other numbers --------------------------------------------------
+#
+# A notebook's papermill parameters (SEED, and any lab parameter such as n or C that the lab passes to setup())
+# are its *variant*. setup() records them here; a checker that compares a value answer (a prediction, a count)
+# computes the expected value from variant() instead of a constant, so an answer copied from a notebook run
+# with other parameters fails. With no variant recorded (checks called outside a lab), variant() is {}.
+
+_VARIANT: dict[str, Any] = {}
+
+
+def set_variant(**parameters: Any) -> None:
+    """Record the running notebook's variant parameters (setup() calls this; replaces what was recorded)."""
+    _VARIANT.clear()
+    _VARIANT.update(parameters)
+
+
+def variant() -> dict[str, Any]:
+    """The running notebook's variant parameters, e.g. {"SEED": 17, "n": 4}; {} when none was recorded."""
+    return dict(_VARIANT)
+
+
+def variant_value(name: str, default: Any = None) -> Any:
+    """One variant parameter (``default`` when the notebook did not set it)."""
+    return _VARIANT.get(name, default)
+
+
+def variant_seed(salt: int = 0) -> int:
+    """A seed that depends on the variant's SEED: for a checker whose expected value must differ by variant."""
+    return int(_VARIANT.get("SEED", 0)) * 1_000_003 + int(salt)
+
+
+# ---- fresh inputs: the grader re-runs a visible check on other random inputs ------------------------------
+
+_FRESH_INPUTS = [0]
+
+
+class fresh_inputs:
+    """Within ``with fresh_inputs(k):`` every ``seeded``/``randn`` seed is shifted, so a checker draws other
+    random inputs than the visible check did (k = 0 changes nothing). Used by the hidden checks of grading."""
+
+    def __init__(self, k: int):
+        self.offset = int(k) * 7_919_111
+
+    def __enter__(self):
+        self.saved = _FRESH_INPUTS[0]
+        _FRESH_INPUTS[0] = self.offset
+        return self
+
+    def __exit__(self, *exc):
+        _FRESH_INPUTS[0] = self.saved
+        return False

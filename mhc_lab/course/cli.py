@@ -1,15 +1,30 @@
-"""The ``mhc-lab`` command line: build the labs, run the course, refresh the solutions' stored outputs."""
+"""The ``mhc-lab`` command line.
+
+    mhc-lab doctor                      versions, device, TileLang known answers, which labs run live or replay
+    mhc-lab run [--size full] [03]      execute the labs' solutions headless with papermill
+    mhc-lab build                       write labs/ from solutions/
+    mhc-lab refresh-solutions [03]      re-execute solution notebooks in place (their stored outputs)
+    mhc-lab grade PATH...               grade submitted notebooks (files or folders): score table + report.json
+    mhc-lab variants LAB --roster F     one parameterised copy of a lab per student, and its manifest
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mhc-lab", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mhc-lab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    doctor = commands.add_parser("doctor", help="what this machine runs: versions, device, TileLang, live or replay")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--cells", action="store_true", help="list every cell that does not simply run live")
+    doctor.add_argument("--no-tilelang", action="store_true", help="skip the TileLang known-answer compiles")
 
     commands.add_parser("build", help="write labs/ from solutions/ (solution regions replaced by stubs)")
 
@@ -22,7 +37,49 @@ def main(argv: list[str] | None = None) -> int:
     refresh = commands.add_parser("refresh-solutions", help="execute solution notebooks in place (stored outputs)")
     refresh.add_argument("names", nargs="*", help="notebook name prefixes (default: all)")
 
-    args = parser.parse_args(argv)
+    grade = commands.add_parser(
+        "grade", help="grade submitted notebooks: visible and hidden checks, score table, JSON report",
+        description="Execute each submission headless in its own kernel, then run the visible and the hidden "
+                    "checks on the learner's functions. Prints a score table; writes report.json, report.csv "
+                    "and the executed notebooks under --out.")
+    grade.add_argument("paths", nargs="+", type=Path, help="notebooks, or folders searched for *.ipynb")
+    grade.add_argument("--out", type=Path, default=Path("build/grading"), help="report and executed notebooks")
+    grade.add_argument("--json", type=Path, default=None, help="also write the JSON report here ('-': stdout)")
+    grade.add_argument("--timeout", type=float, default=900, help="seconds per notebook before it is stopped")
+    grade.add_argument("--cell-timeout", type=float, default=300,
+                       help="seconds per cell before it is interrupted (the notebook goes on)")
+    grade.add_argument("--check-timeout", type=float, default=60, help="seconds per check of one exercise")
+    grade.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                       help="papermill parameter for every submission (default SIZE=small DEVICE=cpu)")
+    grade.add_argument("--variants", type=Path, default=None,
+                       help="variants.json from `mhc-lab variants`: re-run each with its author's parameters")
+    grade.add_argument("--hidden", type=Path, default=None, help="folder of hidden checks (default tests/hidden)")
+    grade.add_argument("--no-hidden", action="store_true", help="run the visible checks only")
+    grade.add_argument("--jobs", type=int, default=1, help="submissions graded at the same time")
+    grade.add_argument("--whole-notebook", action="store_true",
+                       help="execute every cell (default: stop after the last exercise check cell)")
+    grade.add_argument("--brief", action="store_true", help="the score table only, without the details")
+
+    variants = commands.add_parser("variants", help="one parameterised copy of a lab per student or section")
+    variants.add_argument("notebook", type=Path, help="the lab to hand out, e.g. labs/03_mhc.ipynb")
+    who = variants.add_mutually_exclusive_group(required=True)
+    who.add_argument("--roster", type=Path, help="file with one student (or section) id a line")
+    who.add_argument("--students", nargs="+", help="student (or section) ids")
+    variants.add_argument("--out", type=Path, default=Path("build/handout"))
+    variants.add_argument("--param", action="append", default=[], metavar="NAME=V1,V2,...",
+                          help="a lab parameter and the values to choose from per student (SEED always varies)")
+    variants.add_argument("--secret", default="", help="mixed into the choice, so ids alone do not reveal it")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "doctor":
+        from mhc_lab.course import doctor
+
+        info = doctor.report(run_tilelang=not args.no_tilelang)
+        print(json.dumps(info, indent=2) if args.json else doctor.format_report(info, cells=args.cells), end="")
+        return 0
     if args.command == "build":
         from mhc_lab.course.notebook_build import build_all
 
@@ -39,9 +96,50 @@ def main(argv: list[str] | None = None) -> int:
         refresh_solutions(args.names)
         from mhc_lab.course.notebook_build import build_all
 
-        build_all(names=args.names)
+        build_all()
+        return 0
+    if args.command == "grade":
+        return _grade(args)
+    if args.command == "variants":
+        from mhc_lab.course.variants import make_handout, parse_choices, read_roster
+
+        students = read_roster(args.roster) if args.roster else args.students
+        manifest = make_handout(args.notebook, students, args.out, secret=args.secret,
+                                choices=parse_choices(args.param))
+        data = json.loads(manifest.read_text())["labs"][args.notebook.name]
+        for student, entry in data["students"].items():
+            values = ", ".join(f"{k}={v!r}" for k, v in entry["parameters"].items())
+            print(f"{args.out / entry['file']}: {values}")
+        print(f"manifest: {manifest} (grade with --variants {manifest})")
         return 0
     return 2
+
+
+def _grade(args) -> int:
+    from mhc_lab.course.grading import HIDDEN_DIR, format_report, grade_paths
+    from mhc_lab.course.variants import parse_parameters
+
+    hidden = None if args.no_hidden else (args.hidden or HIDDEN_DIR)
+    if hidden is not None and not Path(hidden).is_dir():
+        print(f"note: no hidden checks at {hidden}; grading with the visible checks and the generic ones",
+              file=sys.stderr)
+    quiet = args.json == Path("-")
+    report = grade_paths(args.paths, out_dir=args.out, timeout=args.timeout, cell_timeout=args.cell_timeout,
+                         check_timeout=args.check_timeout, parameters=parse_parameters(args.param),
+                         variants=args.variants, hidden_dir=hidden, jobs=args.jobs,
+                         whole_notebook=args.whole_notebook,
+                         log=None if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
+    text = json.dumps(report, indent=2) + "\n"
+    if quiet:
+        print(text, end="")
+        return 0
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    print(format_report(report, details=not args.brief), end="")
+    print(f"\nreport: {args.out / 'report.json'}, {args.out / 'report.csv'}; executed notebooks: "
+          f"{args.out / 'executed'}/")
+    return 0
 
 
 if __name__ == "__main__":

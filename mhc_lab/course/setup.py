@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,6 +19,8 @@ class LabConfig:
     size: str
     device: torch.device
     seed: int
+    # Lab parameters that make this run a variant (besides SEED), as passed to setup(); see checks.variant().
+    variant: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def small(self) -> bool:
@@ -33,8 +35,11 @@ class LabConfig:
         return small if self.small else full
 
 
-def setup(SIZE: str = "small", DEVICE: str = "auto", SEED: int = 0, quiet: bool = False) -> LabConfig:
-    """Validate the notebook parameters, seed every generator, set the plot renderer; returns a LabConfig."""
+def setup(SIZE: str = "small", DEVICE: str = "auto", SEED: int = 0, quiet: bool = False, **variant) -> LabConfig:
+    """Validate the notebook parameters, seed every generator, set the plot renderer; returns a LabConfig.
+
+    Extra keyword arguments are lab parameters that define a variant (``setup(SIZE, DEVICE, SEED, n=n, C=C)``);
+    they and SEED are recorded for the checks (checks.variant()), so a value answer depends on the variant."""
     if SIZE not in SIZES:
         raise ValueError(f"SIZE: expected one of {SIZES}, got {SIZE!r}")
     if isinstance(SEED, bool) or not isinstance(SEED, int):
@@ -51,7 +56,11 @@ def setup(SIZE: str = "small", DEVICE: str = "auto", SEED: int = 0, quiet: bool 
         pass
     # TileLang reports every compile at INFO level; the labs only want its warnings.
     logging.getLogger("TileLang").setLevel(logging.WARNING)
-    config = LabConfig(SIZE, device, SEED)
+    from mhc_lab.course.checks import set_variant
+
+    set_variant(SEED=SEED, **variant)
+    config = LabConfig(SIZE, device, SEED, dict(variant))
     if not quiet:
-        print(f"mhc-lab: SIZE={SIZE}, DEVICE={device.type}, SEED={SEED}")
+        extra = "".join(f", {name}={value!r}" for name, value in variant.items())
+        print(f"mhc-lab: SIZE={SIZE}, DEVICE={device.type}, SEED={SEED}{extra}")
     return config

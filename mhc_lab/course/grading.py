@@ -1,0 +1,848 @@
+"""Grade submitted notebooks: each one executed headless in a kernel of its own, then scored exercise by exercise.
+
+    mhc-lab grade submissions/                      # every notebook below the folder
+    mhc-lab grade alice_00_setup.ipynb --json report.json
+    mhc-lab grade submissions/ --variants handout/variants.json   # re-run each with the variant it was given
+
+For each submission a worker process executes the notebook with errors allowed (papermill's parameter
+injection, nbclient; a cell that runs past ``cell_timeout`` is interrupted and the rest goes on) from the top to
+its last exercise check cell (the cells after it only measure and reflect; ``whole_notebook`` runs them too),
+then, in that same kernel, runs for every exercise of the lab:
+
+* the **visible check** (the one the learner ran, ``checks.run_check``), and
+* the **hidden checks**: those written for the exercise in ``tests/hidden/labNN.py`` (more shapes, edge cases;
+  never inside a lab notebook), and three generic ones where they apply: the visible check again on fresh random
+  inputs, the learner's function leaves its inputs unchanged, and its gradients match the reference's,
+
+against the learner's function found by the name the lab's check cell uses (``check("3.2", sinkhorn_mine)``).
+An exercise scores the fraction of its checks passed (1 point each); a stub scores 0 with its "not done" message.
+A submission whose worker runs past ``timeout`` is reported *timed out*, a dead kernel *crashed*; the others are
+graded all the same. The result: a score table on stdout, ``report.json`` (machine-readable) and ``report.csv``.
+
+Grading runs the learner's code with your privileges: grade untrusted submissions in a container or as an
+unprivileged user. The checks run in the learner's kernel, so a determined learner could tamper with them; the
+executed notebooks are kept next to the report for review.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import contextlib
+import csv
+import datetime as _dt
+import functools
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from mhc_lab.course.notebook_build import ROOT, SOLUTIONS_DIR, solution_notebooks
+
+HIDDEN_DIR = ROOT / "tests" / "hidden"
+CHECK_CALL = re.compile(r"""^[ \t]*check\(\s*["'](\d+\.\d+)["']\s*,\s*([A-Za-z_]\w*)\s*\)""", re.M)
+MARKER = "<<mhc-lab-grade>>"
+GRADING_TAG = "mhc-lab-grading"
+DEFAULT_PARAMETERS = {"SIZE": "small", "DEVICE": "cpu"}  # grading is about answers: small and on the CPU
+
+
+# ---- hidden checks ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HiddenCheck:
+    exercise: str
+    name: str
+    run: Callable[[Any], object]  # raises (CheckFailed or anything) when the answer is wrong
+
+
+HIDDEN: dict[str, list[HiddenCheck]] = {}
+_LOADED: set[Path] = set()
+
+
+def hidden(exercise: str, name: str):
+    """Decorator for a hidden check in tests/hidden/labNN.py: ``@hidden("3.2", "n = 1 and 16, batch dims")``.
+    The function takes the learner's answer and raises (a CheckFailed with a plain message) when it is wrong."""
+
+    def decorate(fn):
+        HIDDEN.setdefault(exercise, []).append(HiddenCheck(exercise, name, fn))
+        return fn
+
+    return decorate
+
+
+def load_hidden(directory: Path | str | None = HIDDEN_DIR) -> dict[str, list[HiddenCheck]]:
+    """Import every ``lab*.py`` in ``directory`` once (they register with @hidden); returns the registry."""
+    if directory is None:
+        return HIDDEN
+    for path in sorted(Path(directory).glob("lab*.py")):
+        path = path.resolve()
+        if path in _LOADED:
+            continue
+        spec = importlib.util.spec_from_file_location(f"mhc_lab_hidden_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _LOADED.add(path)
+    return HIDDEN
+
+
+def same_as_reference(answer, reference, *args, case: str, name: str = "result", rel: float = 1e-9, **kwargs):
+    """Hidden-check helper: call the learner's function and the reference on the same arguments (the reference on
+    float64 copies of floating tensors, its result cast back) and compare: tensors with checks.assert_close,
+    tuples element by element, numbers with checks.expect_number. Returns ``case``."""
+    import torch
+
+    from mhc_lab.course.checks import CheckFailed, assert_close, call, expect_number
+
+    got = call(answer, *_clone(args), case=case, **_clone(kwargs))
+
+    def wide(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.detach().to(torch.float64)
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return type(v)(wide(x) for x in v)
+        return v
+
+    expected = reference(*[wide(a) for a in args], **{k: wide(v) for k, v in kwargs.items()})
+    floating = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+    dtype = floating[0].dtype if floating else None
+
+    def compare(g, e, label):
+        if isinstance(e, torch.Tensor):
+            e = e.to(dtype) if dtype is not None and e.is_floating_point() else e
+            assert_close(g, e, case=case, name=label)
+        elif isinstance(e, (tuple, list)):
+            if not isinstance(g, (tuple, list)) or len(g) != len(e):
+                raise CheckFailed(f"{case}: expected {label} to be {len(e)} values, got {type(g).__name__}")
+            for index, (gi, ei) in enumerate(zip(g, e)):
+                compare(gi, ei, f"{label}[{index}]")
+        else:
+            expect_number(g, float(e), case=case, name=label, rel=rel)
+
+    compare(got, expected, name)
+    return case
+
+
+# ---- running one check with a time limit --------------------------------------------------------------------
+
+
+class CheckTimeout(BaseException):
+    """A check ran past its time limit (a BaseException, so the learner's ``except Exception`` cannot eat it)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None):
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CheckTimeout(f"timed out after {seconds:g} s (an endless loop?)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _message(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if not text or not isinstance(error, AssertionError) else text
+
+
+def _attempt(fn: Callable[[], object], seconds: float | None) -> tuple[bool, str]:
+    try:
+        with _time_limit(seconds):
+            result = fn()
+    except CheckTimeout as error:
+        return False, str(error)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # the learner's code may raise anything, SystemExit included
+        return False, _message(error)
+    return True, (f"passed {len(result)} cases" if isinstance(result, (list, tuple)) else "passed")
+
+
+# ---- generic hidden checks ----------------------------------------------------------------------------------
+
+
+def _tensors(value) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _clone(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def _recorder(fn):
+    """``fn`` wrapped to record a copy of the arguments of every call (taken before the call)."""
+    calls: list[tuple[tuple, dict]] = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        calls.append((_clone(args), _clone(kwargs)))
+        return fn(*args, **kwargs)
+
+    return wrapper, calls
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a, b) or (a.isnan().all() and b.isnan().all())))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _float_leaves(args, kwargs):
+    """Copies of the arguments in which every top-level float32/float64 tensor requires grad; and those leaves."""
+    import torch
+
+    leaves = []
+
+    def prepare(v):
+        if isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.float64) and v.numel() > 0:
+            leaf = v.detach().clone().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf
+        return _clone(v)
+
+    return tuple(prepare(a) for a in args), {k: prepare(v) for k, v in kwargs.items()}, leaves
+
+
+def _gradients(fn, args, kwargs):
+    """Gradients of a fixed random projection of fn's tensor outputs with respect to its float tensor inputs;
+    None when the output does not depend differentiably on any input."""
+    import torch
+
+    a, k, leaves = _float_leaves(args, kwargs)
+    if not leaves:
+        return None
+    with torch.enable_grad():
+        outputs = [t for t in _tensors(fn(*a, **k)) if t.requires_grad and t.is_floating_point()]
+        if not outputs:
+            return None
+        generator = torch.Generator().manual_seed(1234)
+        loss = sum((o * torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.dtype)).sum()
+                   for o in outputs)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [None if g is None else g.detach() for g in grads]
+
+
+def _compare_gradients(answer, solution, calls, case_names) -> None:
+    import torch
+
+    from mhc_lab.course.checks import CheckFailed
+
+    for (args, kwargs), case in zip(calls, case_names):
+        expected = _gradients(solution, args, kwargs)
+        if expected is None:
+            continue
+        try:
+            got = _gradients(answer, args, kwargs)
+        except RuntimeError as error:
+            raise CheckFailed(f"{case}: backpropagating through your function failed: {error}") from None
+        if got is None:
+            raise CheckFailed(f"{case}: your result carries no gradient (the reference's does): was it detached, "
+                              "computed under torch.no_grad, through .item(), numpy or a Python float?")
+        for index, (g, e) in enumerate(zip(got, expected)):
+            if e is None:
+                continue
+            if g is None:
+                raise CheckFailed(f"{case}: no gradient reaches tensor argument {index} (the reference's does)")
+            e64, g64 = e.to(torch.float64), g.to(torch.float64)
+            rtol, atol = (1e-3, 1e-4) if e.dtype == torch.float32 else (1e-7, 1e-9)
+            atol = atol * max(1.0, float(e64.abs().max()))
+            if e64.shape != g64.shape or not torch.allclose(g64, e64, rtol=rtol, atol=atol):
+                worst = float((g64 - e64).abs().max()) if e64.shape == g64.shape else float("nan")
+                raise CheckFailed(f"{case}: the gradient with respect to tensor argument {index} differs from the "
+                                  f"reference's (largest difference {worst:.3g})")
+
+
+def generic_checks(exercise, answer, learner_calls: list | None) -> list[HiddenCheck]:
+    """The generic hidden checks that apply to this exercise (those the reference solution itself passes)."""
+    from mhc_lab.course.checks import fresh_inputs
+
+    solution = exercise.solution
+    if not (callable(answer) and callable(solution)):
+        return []
+    found = []
+    # Record the reference's calls on the visible inputs and on fresh ones.
+    wrapped, visible_calls = _recorder(solution)
+    fresh_wrapped, fresh_calls = _recorder(solution)
+    try:
+        exercise.checker(wrapped)
+        with fresh_inputs(1):
+            exercise.checker(fresh_wrapped)
+        fresh_ok = not _same(visible_calls, fresh_calls)
+    except Exception:
+        fresh_ok = False
+    if fresh_ok:
+        def fresh(answer):
+            with fresh_inputs(1):
+                return exercise.checker(answer)
+
+        found.append(HiddenCheck(exercise.id, "visible check on fresh random inputs", fresh))
+
+    calls = visible_calls[:4]
+    if calls and learner_calls is not None:
+        def unchanged_by(fn, args, kwargs) -> bool:
+            a, k = _clone(args), _clone(kwargs)
+            fn(*a, **k)
+            return _same(a, args) and _same(k, kwargs)
+
+        try:
+            reference_keeps_inputs = all(unchanged_by(solution, a, k) for a, k in calls)
+        except Exception:
+            reference_keeps_inputs = False
+        if reference_keeps_inputs and any(_tensors(c) for c in calls):
+            def inputs_unchanged(answer):
+                from mhc_lab.course.checks import CheckFailed
+
+                for number, (args, kwargs) in enumerate(calls[:3]):
+                    a, k = _clone(args), _clone(kwargs)
+                    answer(*a, **k)
+                    if not (_same(a, args) and _same(k, kwargs)):
+                        raise CheckFailed(f"call {number + 1} of the visible check: your function changed one of "
+                                          "its input tensors in place; work on a copy (or out-of-place ops)")
+                return ["inputs unchanged"]
+
+            found.append(HiddenCheck(exercise.id, "leaves its inputs unchanged", inputs_unchanged))
+
+        try:
+            differentiable = [c for c in calls if _gradients(solution, *c) is not None][:2]
+        except Exception:
+            differentiable = []
+        if differentiable:
+            def gradients(answer):
+                names = [f"call {i + 1} of the visible check" for i in range(len(differentiable))]
+                _compare_gradients(answer, solution, differentiable, names)
+                return names
+
+            found.append(HiddenCheck(exercise.id, "gradients match the reference's", gradients))
+    return found
+
+
+# ---- grading one answer (in the learner's kernel, or directly in tests) -------------------------------------
+
+
+def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None = HIDDEN_DIR,
+                 check_timeout: float | None = 60.0, generic: bool = True) -> dict:
+    """Visible and hidden checks of one exercise on ``answer``; returns the exercise's result (see module doc)."""
+    from mhc_lab.course.checks import ExerciseIncomplete, get_exercise, run_check
+
+    exercise = get_exercise(exercise_id)
+    result = {"id": exercise.id, "title": exercise.title, "checks": []}
+    learner, learner_calls = _recorder(answer) if callable(answer) else (answer, None)
+    try:
+        with _time_limit(check_timeout):
+            cases = run_check(exercise.id, learner)
+        visible = {"name": "visible check", "kind": "visible", "passed": True,
+                   "message": f"passed {len(cases)} cases"}
+    except ExerciseIncomplete as error:
+        result.update(status="not done", score=0.0, message=str(error),
+                      checks=[{"name": "visible check", "kind": "visible", "passed": False, "message": str(error)}])
+        return result
+    except CheckTimeout as error:
+        visible = {"name": "visible check", "kind": "visible", "passed": False, "message": str(error)}
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:
+        if isinstance(error, NotImplementedError) and str(error).startswith("Exercise"):
+            message = f"{error} -- not done yet: replace the `raise NotImplementedError` line"
+            result.update(status="not done", score=0.0, message=message,
+                          checks=[{"name": "visible check", "kind": "visible", "passed": False, "message": message}])
+            return result
+        visible = {"name": "visible check", "kind": "visible", "passed": False, "message": _message(error)}
+    checks = [visible]
+    if "timed out after" in visible["message"]:  # the hidden checks would only time out again
+        result.update(status="timed out", score=0.0, checks=checks, message=f"visible check: {visible['message']}")
+        return result
+    candidates = list(load_hidden(hidden_dir).get(exercise.id, [])) if hidden_dir else []
+    if generic:
+        candidates += generic_checks(exercise, answer, learner_calls)
+    for check in candidates:
+        passed, message = _attempt(functools.partial(check.run, answer), check_timeout)
+        checks.append({"name": check.name, "kind": "hidden", "passed": passed, "message": message})
+    passed = sum(c["passed"] for c in checks)
+    timed_out = any("timed out after" in c["message"] for c in checks if not c["passed"])
+    status = "passed" if passed == len(checks) else ("timed out" if timed_out and passed == 0 else
+                                                     "partial" if passed else "failed")
+    failures = [f"{c['name']}: {c['message']}" for c in checks if not c["passed"]]
+    result.update(status=status, score=round(passed / len(checks), 3), checks=checks,
+                  message=failures[0] if failures else "")
+    return result
+
+
+def grade_in_kernel(exercises: list[list[str]], hidden_dir: str | None, check_timeout: float | None) -> None:
+    """Run in the learner's kernel after their notebook: grade each (id, function name); print JSON."""
+    from IPython import get_ipython
+
+    from mhc_lab.course.checks import get_exercise, variant
+
+    namespace = get_ipython().user_ns
+    results = []
+    for exercise_id, name in exercises:
+        if name not in namespace:
+            exercise = get_exercise(exercise_id)
+            results.append({"id": exercise_id, "title": exercise.title, "status": "missing", "score": 0.0,
+                            "message": f"no `{name}` defined in the notebook (the lab's check cell uses that name)",
+                            "checks": []})
+            continue
+        try:
+            result = grade_answer(exercise_id, namespace[name], hidden_dir=hidden_dir, check_timeout=check_timeout)
+        except Exception as error:  # a grader bug must not lose the other exercises
+            result = {"id": exercise_id, "status": "error", "score": 0.0, "checks": [],
+                      "message": f"grader error: {type(error).__name__}: {error}"}
+        result["function"] = name
+        results.append(result)
+    print(MARKER + json.dumps({"variant": _jsonable(variant()), "exercises": results}))
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return {k: repr(v) for k, v in value.items()} if isinstance(value, dict) else repr(value)
+
+
+# ---- which lab, which exercises -----------------------------------------------------------------------------
+
+
+def lab_exercises(solution: Path) -> list[tuple[str, str]]:
+    """(exercise id, name of the learner's function) for each check cell of a lab, in the lab's order."""
+    import nbformat
+
+    nb = nbformat.read(solution, as_version=4)
+    found = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            for exercise_id, name in CHECK_CALL.findall(cell.source):
+                found.setdefault(exercise_id, name)
+    return list(found.items())
+
+
+def identify_lab(nb, path: Path, solutions_dir: Path = SOLUTIONS_DIR) -> Path | None:
+    """The solution notebook a submission belongs to: by its check cells' exercise numbers, else its metadata,
+    else a ``NN_`` in its file name."""
+    labs = {int(p.name[:2]): p for p in solution_notebooks(solutions_dir)}
+    numbers = [int(exercise_id.split(".")[0]) for cell in nb.cells if cell.cell_type == "code"
+               for exercise_id, _ in CHECK_CALL.findall(cell.source)]
+    if numbers:
+        number = max(set(numbers), key=numbers.count)
+        if number in labs:
+            return labs[number]
+    name = (nb.metadata.get("mhc_lab") or {}).get("lab")
+    if name and (Path(solutions_dir) / name).exists():
+        return Path(solutions_dir) / name
+    match = re.search(r"(?:^|[^0-9])(\d\d)_", path.name)
+    if match and int(match.group(1)) in labs:
+        return labs[int(match.group(1))]
+    return None
+
+
+def notebook_parameters(nb, tags=("parameters", "injected-parameters")) -> dict:
+    """Literal values assigned in a notebook's parameters cell, overridden by a papermill-injected cell."""
+    values = {}
+    for tag in tags:
+        for cell in nb.cells:
+            if cell.cell_type == "code" and tag in cell.metadata.get("tags", []):
+                try:
+                    tree = ast.parse(cell.source)
+                except SyntaxError:
+                    continue
+                for node in tree.body:
+                    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                        try:
+                            values[node.targets[0].id] = ast.literal_eval(node.value)
+                        except ValueError:
+                            pass
+    return values
+
+
+# ---- the worker: one submission, one kernel -----------------------------------------------------------------
+
+
+def _first_line(source: str) -> str:
+    """A cell's first line of code (comments skipped), to name the cell in a report."""
+    lines = [line for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not lines:
+        lines = source.strip().splitlines() or [""]
+    return lines[0].strip()[:80]
+
+
+def _worker(job: dict) -> dict:
+    """Execute one submission and grade it; returns the submission's result (without its path fields)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    progress = Path(job["progress"])
+    nb = load_notebook_node(job["submission"])  # papermill's reader: every cell gets metadata.tags
+    nb.cells = [c for c in nb.cells if GRADING_TAG not in c.metadata.get("tags", [])]
+    # Keep what papermill injected when the notebook was handed out (its variant), then apply the grader's.
+    parameters = {**notebook_parameters(nb, tags=("injected-parameters",)), **job["parameters"]}
+    nb = parameterize_notebook(nb, parameters, report_mode=False)
+    if not job.get("whole_notebook"):
+        # The cells after the last exercise check only measure and reflect (a lab never uses the learner's
+        # functions after their check), so grading stops there: much faster, same scores.
+        ids = {exercise_id for exercise_id, _ in job["exercises"]}
+        last = max((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                    and any(found in ids for found, _ in CHECK_CALL.findall(c.source))), default=None)
+        if last is not None:
+            nb.cells = nb.cells[: last + 1]
+    code = (f"from mhc_lab.course.grading import grade_in_kernel as _mhc_grade\n"
+            f"_mhc_grade({json.dumps(job['exercises'])}, {json.dumps(job['hidden_dir'])}, {job['check_timeout']!r})")
+    nb.cells.append(nbformat.v4.new_code_cell(code, metadata={"tags": [GRADING_TAG]}))
+    grading_index = len(nb.cells) - 1
+    # Cells are named by their place in the submission, counted from 1 over all its cells as JupyterLab's status
+    # bar does ("Cell 3/26"); the injected parameters and the grading cell are not counted.
+    ordinal, number = {}, 0
+    for index, cell in enumerate(nb.cells):
+        tags = cell.metadata.get("tags", [])
+        if "injected-parameters" not in tags and GRADING_TAG not in tags:
+            number += 1
+            ordinal[index] = number
+    workdir = Path(job["workdir"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    started: dict[int, float] = {}
+    durations: dict[int, float] = {}
+
+    def on_start(**_):
+        pid = getattr(getattr(client.km, "provisioner", None), "pid", None)
+        progress.write_text(json.dumps({"kernel_pid": pid, "cell": None}))
+
+    def on_execute(cell, cell_index, **_):
+        started[cell_index] = time.monotonic()
+        state = json.loads(progress.read_text()) if progress.exists() else {}
+        state.update(cell=ordinal.get(cell_index), source=_first_line(cell.source), grading=cell_index == grading_index)
+        progress.write_text(json.dumps(state))
+
+    def on_executed(cell, cell_index, **_):
+        durations[cell_index] = time.monotonic() - started.get(cell_index, time.monotonic())
+
+    client = NotebookClient(
+        nb, timeout=job["cell_timeout"], interrupt_on_timeout=True, allow_errors=True, kernel_name="python3",
+        record_timing=True, resources={"metadata": {"path": str(workdir)}}, on_notebook_start=on_start,
+        on_cell_execute=on_execute, on_cell_executed=on_executed,
+    )
+    result: dict[str, Any] = {"parameters": parameters}
+    try:
+        client.execute()
+    except DeadKernelError:
+        state = json.loads(progress.read_text()) if progress.exists() else {}
+        what = ("while grading" if state.get("grading") else
+                f"in cell {state.get('cell')} (`{state.get('source', '')}`)")
+        result.update(status="crashed", detail=f"the kernel died {what}")
+    except Exception as error:
+        result.update(status="crashed", detail=f"{type(error).__name__}: {error}")
+    Path(job["executed"]).parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, job["executed"])
+    errors = []
+    for index, cell in enumerate(nb.cells[:grading_index]):
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                error = {"cell": ordinal.get(index), "source": _first_line(cell.source), "ename": output.get("ename"),
+                         "evalue": (output.get("evalue") or "")[:300]}
+                if output.get("ename") == "KeyboardInterrupt" and durations.get(index, 0) >= job["cell_timeout"] * 0.9:
+                    error["evalue"] = f"interrupted: the cell ran past {job['cell_timeout']} s"
+                    error["ename"] = "timed out"
+                errors.append(error)
+    result["cell_errors"] = errors
+    if result.get("status") != "crashed":
+        payload = None
+        for output in nb.cells[grading_index].get("outputs", []):
+            if output.get("output_type") == "stream" and MARKER in output.get("text", ""):
+                payload = output["text"].split(MARKER, 1)[1].strip().splitlines()[0]
+        if payload is None:
+            failure = next((o for o in nb.cells[grading_index].get("outputs", []) if o.get("output_type") == "error"),
+                           None)
+            detail = f"{failure.get('ename')}: {failure.get('evalue')}" if failure else "no result"
+            result.update(status="crashed", detail=f"grading did not complete: {detail}")
+        else:
+            data = json.loads(payload)
+            for exercise in data["exercises"]:
+                # A value exercise's stub raises where the value is computed, so the name is never defined.
+                stub = next((e for e in errors if e["ename"] in ("NotImplementedError", "ExerciseIncomplete")
+                             and re.match(rf"Exercise {re.escape(exercise['id'])}\b", e["evalue"])), None)
+                if exercise["status"] == "missing" and stub is not None:
+                    exercise.update(status="not done", message=stub["evalue"].split(" -- ")[0]
+                                    + " -- not done yet: replace the `raise NotImplementedError` line")
+            result.update(status="graded", variant=data["variant"], exercises=data["exercises"])
+    return result
+
+
+def _worker_main(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    try:
+        result = _worker(job)
+    except Exception as error:
+        result = {"status": "crashed", "detail": f"{type(error).__name__}: {error}",
+                  "traceback": traceback.format_exc()[-2000:]}
+    Path(job["result"]).write_text(json.dumps(result))
+    return 0
+
+
+# ---- the parent: many submissions ---------------------------------------------------------------------------
+
+
+def find_submissions(paths: list[Path | str]) -> list[Path]:
+    """Notebooks named by ``paths``: files as given, folders searched recursively (checkpoints skipped)."""
+    found = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found += sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts
+                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        elif path.exists():
+            found.append(path)
+        else:
+            raise FileNotFoundError(f"no such notebook or folder: {path}")
+    return found
+
+
+def _slug(path: Path) -> str:
+    text = re.sub(r"[^A-Za-z0-9_.-]+", "__", str(path).strip("/"))
+    return text[-120:]
+
+
+def _kill_group(pid: int | None) -> None:
+    if not pid:
+        return
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except (ProcessLookupError, PermissionError, OSError):
+            continue
+
+
+def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: float, check_timeout: float,
+              parameters: dict, hidden_dir: Path | None, solutions_dir: Path = SOLUTIONS_DIR,
+              whole_notebook: bool = False) -> dict:
+    """Grade one submission in a worker process with a time budget; never raises."""
+    import nbformat
+
+    start = time.monotonic()
+    row: dict[str, Any] = {"submission": str(submission), "status": None, "lab": None, "score": 0.0,
+                           "max_score": 0, "exercises": []}
+    try:
+        nb = nbformat.read(submission, as_version=4)
+    except Exception as error:
+        row.update(status="unreadable", detail=f"not a notebook: {type(error).__name__}: {error}")
+        return row
+    solution = identify_lab(nb, submission, solutions_dir)
+    if solution is None:
+        row.update(status="unknown lab", detail="no exercise check cells of a course lab found")
+        return row
+    exercises = lab_exercises(solution)
+    row.update(lab=solution.name, max_score=len(exercises))
+    slug = _slug(submission)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="grade-", dir=out_dir))
+    job = {"submission": str(submission), "exercises": [list(e) for e in exercises], "parameters": parameters,
+           "hidden_dir": str(hidden_dir) if hidden_dir else None, "cell_timeout": cell_timeout,
+           "check_timeout": check_timeout, "whole_notebook": whole_notebook, "executed": str(out_dir / "executed" / f"{slug}"),
+           "workdir": str(scratch / "work"), "progress": str(scratch / "progress.json"),
+           "result": str(scratch / "result.json")}
+    if not job["executed"].endswith(".ipynb"):
+        job["executed"] += ".ipynb"
+    (scratch / "job.json").write_text(json.dumps(job))
+    worker = subprocess.Popen([sys.executable, "-m", "mhc_lab.course.grading", "--worker", str(scratch / "job.json")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log, _ = worker.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        state = json.loads(Path(job["progress"]).read_text()) if Path(job["progress"]).exists() else {}
+        _kill_group(state.get("kernel_pid"))
+        _kill_group(worker.pid)
+        log, _ = worker.communicate()
+    row["seconds"] = round(time.monotonic() - start, 1)
+    row["executed"] = job["executed"] if Path(job["executed"]).exists() else None
+    if timed_out:
+        where = (" while grading" if state.get("grading") else
+                 f" in cell {state['cell']} (`{state.get('source', '')}`)" if state.get("cell") else "")
+        row.update(status="timed out", detail=f"still running after {timeout:g} s{where}; stopped")
+    elif Path(job["result"]).exists():
+        row.update(json.loads(Path(job["result"]).read_text()))
+    else:
+        tail = (log or b"").decode(errors="replace").strip().splitlines()[-5:]
+        row.update(status="crashed", detail=f"the grader's worker exited with {worker.returncode}: {' | '.join(tail)}")
+    titles = dict(_titles(exercises))
+    by_id = {e["id"]: e for e in row.get("exercises") or []}
+    row["exercises"] = [by_id.get(exercise_id) or {"id": exercise_id, "title": titles.get(exercise_id, ""),
+                                                    "function": name, "status": row["status"], "score": 0.0,
+                                                    "checks": [], "message": row.get("detail", "")}
+                        for exercise_id, name in exercises]
+    row["score"] = round(sum(e["score"] for e in row["exercises"]), 3)
+    for path in (Path(job["progress"]), Path(job["result"]), scratch / "job.json"):
+        path.unlink(missing_ok=True)
+    _remove_tree(scratch)
+    return row
+
+
+def _titles(exercises):
+    from mhc_lab.course.checks import get_exercise
+
+    for exercise_id, _ in exercises:
+        try:
+            yield exercise_id, get_exercise(exercise_id).title
+        except Exception:
+            yield exercise_id, ""
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/grading"), timeout: float = 900,
+                cell_timeout: float = 300, check_timeout: float = 60, parameters: dict | None = None,
+                variants: Path | str | None = None, hidden_dir: Path | str | None = HIDDEN_DIR, jobs: int = 1,
+                solutions_dir: Path = SOLUTIONS_DIR, whole_notebook: bool = False,
+                log: Callable[[str], None] | None = print) -> dict:
+    """Grade every submission under ``paths``; write report.json and report.csv in ``out_dir``; return the
+    report."""
+    out_dir = Path(out_dir)
+    submissions = find_submissions(paths)
+    hidden = Path(hidden_dir) if hidden_dir and Path(hidden_dir).is_dir() else None
+    manifest = None
+    if variants:
+        from mhc_lab.course.variants import read_manifest
+
+        manifest = read_manifest(variants)
+
+    def run(submission: Path) -> dict:
+        chosen = {**DEFAULT_PARAMETERS, **(parameters or {})}
+        assigned = None
+        if manifest is not None:
+            from mhc_lab.course.variants import assigned_variant
+
+            assigned = assigned_variant(manifest, submission)
+            if assigned is not None:
+                chosen.update(assigned["parameters"])
+        row = grade_one(submission, out_dir=out_dir, timeout=timeout, cell_timeout=cell_timeout,
+                        check_timeout=check_timeout, parameters=chosen, hidden_dir=hidden,
+                        solutions_dir=solutions_dir, whole_notebook=whole_notebook)
+        if manifest is not None:
+            row["student"] = assigned["student"] if assigned else None
+            if assigned is None:
+                row.setdefault("warnings", []).append("not in the variants manifest: graded with its own parameters")
+        if log:
+            log(f"{row['status']:>11}  {row['score']:g}/{row['max_score']}  {submission}")
+        return row
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        rows = list(pool.map(run, submissions))
+    report = {
+        "graded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {"timeout_s": timeout, "cell_timeout_s": cell_timeout, "check_timeout_s": check_timeout,
+                     "parameters": {**DEFAULT_PARAMETERS, **(parameters or {})},
+                     "hidden_checks": str(hidden) if hidden else None, "variants": str(variants) if variants else None,
+                     "whole_notebook": whole_notebook},
+        "submissions": rows,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_csv(report, out_dir / "report.csv")
+    return report
+
+
+def write_csv(report: dict, path: Path) -> None:
+    ids = sorted({e["id"] for r in report["submissions"] for e in r["exercises"]},
+                 key=lambda i: tuple(int(p) for p in i.split(".")))
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["submission", "student", "lab", "status", "score", "max_score", *ids])
+        for r in report["submissions"]:
+            scores = {e["id"]: e["score"] for e in r["exercises"]}
+            writer.writerow([r["submission"], r.get("student") or "", r["lab"] or "", r["status"], r["score"],
+                             r["max_score"], *[scores.get(i, "") for i in ids]])
+
+
+def format_report(report: dict, details: bool = True) -> str:
+    """The score table, one block per lab, then what each non-perfect exercise failed on."""
+    lines = []
+    rows = report["submissions"]
+    labs = sorted({r["lab"] or "-" for r in rows})
+    for lab in labs:
+        group = [r for r in rows if (r["lab"] or "-") == lab]
+        ids = [e["id"] for e in group[0]["exercises"]] if group[0]["exercises"] else []
+        width = max([len("submission")] + [len(r["submission"]) for r in group])
+        lines.append(f"lab {lab}")
+        lines.append(f"  {'submission':<{width}}  {'status':<11}" + "".join(f"{i:>6}" for i in ids) + "   total")
+        for r in group:
+            scores = {e["id"]: e for e in r["exercises"]}
+            cells = "".join(f"{scores[i]['score']:>6.2f}" if r["status"] == "graded" else f"{'-':>6}" for i in ids)
+            lines.append(f"  {r['submission']:<{width}}  {r['status']:<11}{cells}   {r['score']:g}/{r['max_score']}")
+        lines.append("")
+    if details:
+        for r in rows:
+            notes = []
+            if r["status"] != "graded":
+                notes.append(f"  {r['status']}: {r.get('detail', '')}")
+            for warning in r.get("warnings", []):
+                notes.append(f"  warning: {warning}")
+            if r.get("variant") and (r.get("student") or r["variant"] != {"SEED": 0}):
+                notes.append(f"  variant: {', '.join(f'{k}={v}' for k, v in r['variant'].items())}")
+            for e in r["exercises"]:
+                if r["status"] == "graded" and e["score"] < 1:
+                    notes.append(f"  {e['id']} {e.get('title', '')}: {e['status']}, {e['score']:g}: {e['message']}")
+            for error in r.get("cell_errors", []):
+                notes.append(f"  cell {error['cell']} (`{error['source']}`): {error['ename']}: {error['evalue']}")
+            if notes:
+                lines.append(r["submission"])
+                lines += [n if len(n) <= 220 else n[:217] + "..." for n in notes]
+                lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(_worker_main(sys.argv[2]))
+    from mhc_lab.course.cli import main
+
+    sys.exit(main(["grade", *sys.argv[1:]]))
