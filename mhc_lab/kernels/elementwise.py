@@ -30,7 +30,8 @@ GPU_DTYPES = ("bfloat16", "float16", "float32")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _check(name: str, C: int, dtype: str, target: str) -> str:
+def check_kernel_args(name: str, C: int, dtype: str, target: str) -> str:
+    """Validate a width and dtype for ``target``; returns the canonical target."""
     if isinstance(C, bool) or not isinstance(C, int) or C < 1:
         raise ValueError(f"{name}: expected a positive width C (an int), got C = {C!r}")
     t = canonical_target(target)
@@ -124,7 +125,7 @@ def _gpu_tiles(C, dtype, block_rows, block_cols, threads):
 def copy_program(C: int, block_rows: int | None = None, *, dtype: str = "float32", target: str = "c",
                  block_cols: int | None = None, threads: int | None = None):
     """The tile program of ``out = x`` for rows of width C: arguments x [N, C], out [N, C] (N dynamic)."""
-    if _check("copy program", C, dtype, target) == "c":
+    if check_kernel_args("copy program", C, dtype, target) == "c":
         return copy_for_c(C, block_rows or 4, dtype)
     return copy_for_cuda(C, *_gpu_tiles(C, dtype, block_rows, block_cols, threads), dtype)
 
@@ -136,7 +137,7 @@ def residual_add_program(C: int, block_rows: int | None = None, *, dtype: str = 
     ``target='c'`` (the default, the course's CPU path) gives one program instance per ``block_rows`` rows;
     a CUDA target gives [block_rows x block_cols] tiles per thread block of ``threads`` threads.
     """
-    if _check("residual add program", C, dtype, target) == "c":
+    if check_kernel_args("residual add program", C, dtype, target) == "c":
         return residual_add_for_c(C, block_rows or 4, dtype)
     return residual_add_for_cuda(C, *_gpu_tiles(C, dtype, block_rows, block_cols, threads), dtype)
 

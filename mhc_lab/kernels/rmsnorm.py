@@ -29,20 +29,15 @@ import functools
 import tilelang.language as T
 import torch
 
-from mhc_lab.kernels._target import canonical_target, compile_program
-from mhc_lab.kernels.elementwise import (GPU_DTYPES, TORCH_DTYPES, check_rows, round_up,
+from mhc_lab.kernels._target import compile_program
+from mhc_lab.kernels.elementwise import (TORCH_DTYPES, check_kernel_args, check_rows, round_up,
                                        target_for)
 
 DEFAULT_EPS = 1e-6
 
 
 def _check(name: str, C: int, dtype: str, target: str) -> str:
-    if isinstance(C, bool) or not isinstance(C, int) or C < 1:
-        raise ValueError(f"{name}: expected a positive width C (an int), got C = {C!r}")
-    t = canonical_target(target)
-    allowed = ("float32",) if t == "c" else GPU_DTYPES
-    if dtype not in allowed:
-        raise ValueError(f"{name} on target {t!r}: expected dtype in {allowed}, got {dtype!r}")
+    t = check_kernel_args(name, C, dtype, target)
     if t != "c" and C > 32768:
         raise ValueError(f"{name} on CUDA holds whole rows in registers: expected C <= 32768, got C = {C}")
     return t
