@@ -29,7 +29,7 @@ def expand_lanes(h: torch.Tensor, n: int) -> torch.Tensor:
     require_tensor("h", h)
     require_positive_int("n", n)
     if h.dim() < 1:
-        raise InputError(f"h: expected a hidden state of shape [..., C], got a 0-dim tensor")
+        raise InputError("h: expected a hidden state of shape [..., C], got a 0-dim tensor")
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
 
 
