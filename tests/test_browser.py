@@ -130,11 +130,6 @@ def jupyterlab(tmp_path_factory):
 
 
 _PROMPTS = "[...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')].map(p => p.textContent)"
-EXPLORER_TODO = (
-    "widgets.explorer redraws with IPython's update_display_data, which JupyterLab drops once the cell has "
-    "finished (it routes display updates only to live execution futures); the figure must live in a widget "
-    "(an ipywidgets.Output whose outputs the callback replaces) to redraw in JupyterLab"
-)
 
 
 def _prompts(page) -> list[str]:
@@ -236,7 +231,6 @@ def test_lab_runs_in_jupyterlab(jupyterlab, lab_page):
     assert screenshot.stat().st_size > 20_000
 
 
-@pytest.mark.xfail(strict=True, reason=EXPLORER_TODO)
 def test_explorer_redraws_when_a_control_moves(lab_page):
     page, _ = lab_page
     figures = page.locator(".jp-OutputArea-output.js-plotly-plot")
