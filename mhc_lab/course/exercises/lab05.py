@@ -7,15 +7,13 @@ output poisoned with NaN and guard rows after every tensor, and compares with a 
 
 from __future__ import annotations
 
-import contextlib
-import logging
 
 import tilelang.language as T
 import torch
 
 from mhc_lab.course.bench_tilelang import fraction_of_copy_roof
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, expect_number, randn, register
-from mhc_lab.kernels._target import compile_program
+from mhc_lab.course.tile_checks import compile_learner_program
 from mhc_lab.kernels.elementwise import residual_add_program
 from mhc_lab.kernels.rmsnorm import rmsnorm_bytes, rmsnorm_program, rmsnorm_reference, row_sum_of_squares_program
 from mhc_lab.kernels.source import lines_matching
@@ -24,38 +22,6 @@ from mhc_lab.kernels.source import lines_matching
 _CONFIGS = [(33, 4, (9, 7, 1)), (1, 3, (5,)), (5, 2, (16, 3))]
 _TAIL = ("This looks like the usual mistake: forgetting the tail. When N is not a multiple of block_rows the "
          "last tile hangs over the end")
-
-
-@contextlib.contextmanager
-def _quiet_builder():
-    """TileLang logs a failed program at CRITICAL with its whole generated source; the check says it better."""
-    names = ("tilelang.language.eager.builder", "tilelang.cache.kernel_cache", "TileLang")
-    loggers = [logging.getLogger(name) for name in names]
-    before = [lg.disabled for lg in loggers]
-    for lg in loggers:
-        lg.disabled = True
-    try:
-        yield
-    finally:
-        for lg, was in zip(loggers, before):
-            lg.disabled = was
-
-
-def _compile_for_c(answer, args: tuple, case: str):
-    """Call the learner's factory and compile its program for TileLang's C target; clear errors otherwise."""
-    with _quiet_builder():
-        program = call(answer, *args, case=case)
-        if type(program).__name__ != "PrimFunc":
-            raise CheckFailed(f"{case}: expected your factory to return a tile program (the function decorated "
-                              f"with @T.prim_func), got {type(program).__name__}. Did you forget the return?")
-        try:
-            return compile_program(program, "c")
-        except Exception as error:
-            lines = [line for line in str(error).splitlines() if line.strip()]
-            detail = next((line for line in lines if "Error" in line or "error" in line), lines[-1] if lines else "")
-            raise CheckFailed(f"{case}: TileLang could not compile your program for the C target: "
-                              f"{type(error).__name__}: {detail.strip()[:300]}. The C target runs CPU-style "
-                              "programs: T.alloc_local buffers and T.serial / T.grid loops, no threads=") from None
 
 
 def _extra_rows(N: int, block_rows: int) -> int:
@@ -175,7 +141,7 @@ def _add_one_row_per_tile(C: int, block_rows: int):
 def _check_residual_add(answer):
     cases = []
     for C, block_rows, row_counts in _CONFIGS:
-        kernel = _compile_for_c(answer, (C, block_rows), f"C={C}, block_rows={block_rows}")
+        kernel = compile_learner_program(answer, (C, block_rows), f"C={C}, block_rows={block_rows}")
         for k, N in enumerate(row_counts):
             case = f"N={N}, C={C}, block_rows={block_rows}"
             x, f = _rows(N, C, block_rows, seed=100 + k), _rows(N, C, block_rows, seed=200 + k)
@@ -263,7 +229,7 @@ def _sumsq_plain(C: int, block_rows: int):
 def _check_sum_of_squares(answer):
     cases = []
     for C, block_rows, row_counts in _CONFIGS:
-        kernel = _compile_for_c(answer, (C, block_rows), f"C={C}, block_rows={block_rows}")
+        kernel = compile_learner_program(answer, (C, block_rows), f"C={C}, block_rows={block_rows}")
         for k, N in enumerate(row_counts):
             case = f"N={N}, C={C}, block_rows={block_rows}"
             x = _rows(N, C, block_rows, seed=300 + k)
@@ -349,7 +315,7 @@ _RMS_CONFIGS = [(33, 4, 0.5, (7, 1, 9)), (1, 3, 1e-6, (5,)), (64, 2, 1e-6, (3,))
 def _check_rmsnorm(answer):
     cases = []
     for C, block_rows, eps, row_counts in _RMS_CONFIGS:
-        kernel = _compile_for_c(answer, (C, block_rows, eps), f"C={C}, block_rows={block_rows}, eps={eps:g}")
+        kernel = compile_learner_program(answer, (C, block_rows, eps), f"C={C}, block_rows={block_rows}, eps={eps:g}")
         x_reads = len(lines_matching(kernel.get_kernel_source(), r"\bx\["))
         if x_reads > 1:
             raise CheckFailed(f"C={C}: your program reads x in {x_reads} places. This looks like the usual "

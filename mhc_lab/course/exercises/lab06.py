@@ -12,7 +12,7 @@ import tilelang.language as T
 import torch
 
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, expect_number, randn, register
-from mhc_lab.course.exercises.lab05 import _compile_for_c
+from mhc_lab.course.tile_checks import compile_learner_program
 from mhc_lab.course.forward_lab import (
     PLANS,
     layer_input_program,
@@ -146,7 +146,7 @@ def _post_variant(kind: str):
 def _check_post(answer):
     cases = []
     for n, C, bt, token_counts in _POST_CONFIGS:
-        kernel = _compile_for_c(answer, (n, C, bt), f"n={n}, C={C}, block_tokens={bt}")
+        kernel = compile_learner_program(answer, (n, C, bt), f"n={n}, C={C}, block_tokens={bt}")
         for k, tokens in enumerate(token_counts):
             case = f"tokens={tokens}, n={n}, C={C}, block_tokens={bt}"
             seed = 1000 * n + 10 * C + k
@@ -224,7 +224,7 @@ def _input_variant(kind: str):
 def _check_layer_input(answer):
     cases = []
     for n, C, bt, token_counts in _INPUT_CONFIGS:
-        kernel = _compile_for_c(answer, (n, C, bt), f"n={n}, C={C}, block_tokens={bt}")
+        kernel = compile_learner_program(answer, (n, C, bt), f"n={n}, C={C}, block_tokens={bt}")
         for k, tokens in enumerate(token_counts):
             case = f"tokens={tokens}, n={n}, C={C}, block_tokens={bt}"
             seed = 2000 * n + 10 * C + k
