@@ -117,6 +117,14 @@ def compile_program(program, target: str, pass_configs: dict | None = None):
         cache_log.disabled = was_disabled
 
 
+def check_lanes_and_width(name: str, n, C, max_lanes: int) -> None:
+    """The n and C checks every mHC kernel factory makes: 1 <= n <= max_lanes lanes, a positive width C."""
+    if not isinstance(n, int) or not 1 <= n <= max_lanes:
+        raise ValueError(f"{name}: expected 1 <= n <= {max_lanes} lanes, got n = {n!r}")
+    if not isinstance(C, int) or C < 1:
+        raise ValueError(f"{name}: expected a positive width C, got C = {C!r}")
+
+
 def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 

@@ -21,16 +21,13 @@ import functools
 
 import tilelang.language as T
 
-from mhc_lab.kernels._target import canonical_target, compile_program
+from mhc_lab.kernels._target import canonical_target, compile_program, check_lanes_and_width
 
 DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _check(n: int, C: int, dtype: str, target: str) -> str:
-    if not isinstance(n, int) or n < 1 or n > 16:
-        raise ValueError(f"post kernel: expected 1 <= n <= 16 lanes, got n = {n!r}")
-    if not isinstance(C, int) or C < 1:
-        raise ValueError(f"post kernel: expected a positive width C, got C = {C!r}")
+    check_lanes_and_width("post kernel", n, C, max_lanes=16)
     t = canonical_target(target)
     allowed = ("float32",) if t == "c" else DTYPES
     if dtype not in allowed:

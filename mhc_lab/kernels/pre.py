@@ -29,7 +29,7 @@ import functools
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
-from mhc_lab.kernels._target import canonical_target, compile_program
+from mhc_lab.kernels._target import canonical_target, compile_program, check_lanes_and_width
 
 
 def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, block_tokens: int = 4,
@@ -43,10 +43,7 @@ def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, bl
         raise ValueError("pre_program is the C-target program; on CUDA use pre_kernel(..., target='cuda')")
     if dtype != "float32":
         raise ValueError(f"pre kernel on the C target: expected dtype 'float32', got {dtype!r}")
-    if not isinstance(n, int) or not 1 <= n <= 8:
-        raise ValueError(f"pre kernel: expected 1 <= n <= 8, got n = {n!r}")
-    if not isinstance(C, int) or C < 1:
-        raise ValueError(f"pre kernel: expected a positive width C, got C = {C!r}")
+    check_lanes_and_width("pre kernel", n, C, max_lanes=8)
     M = mixes_width(n)
     BT = block_tokens
     NT = T.dynamic("T")

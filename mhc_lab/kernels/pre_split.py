@@ -29,7 +29,7 @@ import tilelang
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
-from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div
+from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div, check_lanes_and_width
 
 
 NO_WARP_SPECIALIZATION = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
@@ -46,10 +46,7 @@ def _check_gpu(n, C, dtype, target):
         raise ValueError("pre split plan: CUDA only; the C target uses pre.pre_program (target='c')")
     if dtype != "bfloat16":
         raise ValueError(f"pre split plan: expected dtype 'bfloat16' lanes on CUDA, got {dtype!r}")
-    if not isinstance(n, int) or not 1 <= n <= 8:
-        raise ValueError(f"pre split plan: expected 1 <= n <= 8, got n = {n!r}")
-    if not isinstance(C, int) or C < 1:
-        raise ValueError(f"pre split plan: expected a positive width C, got C = {C!r}")
+    check_lanes_and_width("pre split plan", n, C, max_lanes=8)
     return t
 
 
