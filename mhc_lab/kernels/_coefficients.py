@@ -69,3 +69,120 @@ def coefficient_macro(n: int, width: int, *, iterations: int = 20, eps: float = 
                     comb[i * n + j] = comb[i * n + j] * inv
 
     return coefficients
+
+
+def sinkhorn_steps(iterations: int) -> int:
+    """Normalisation steps of the DeepSeek-V4 Sinkhorn: one column step, then (t - 1) row + column pairs."""
+    return 2 * iterations - 1
+
+
+def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps: float = 1e-6,
+                               rms_eps: float = 1e-6):
+    """A T.macro ``coefficients_backward(mix, alpha, bias, dpre, dpost, dres, comb, dcomb, inv, dlogit, dmix,
+    extra)``: the backward of ``coefficient_macro`` for one token, all in thread-local arrays.
+
+    In: mix [n^2+2n+1] (raw projections, then sum(x^2)), dpre, dpost [n], dres [n*n] with dres[i*n+j] the
+    gradient of H_res[i, j]. Scratch: comb, dcomb [n*n], inv [sinkhorn_steps(t) * n].
+    Out: dlogit [n^2+2n] (the gradient of each pre-activation, which is also the bias gradient), dmix
+    [n^2+2n] (the gradient of each raw projection: dlogit * alpha_k * r), extra [4] = the three alpha
+    gradients and the gradient of sum(x^2).
+
+    The Sinkhorn backward recomputes the forward on chip and keeps only each step's n reciprocal sums
+    (t = 20, n = 4: 156 floats), never the intermediate matrices. A row step Q = P / (rowsum(P) + eps)
+    has the backward dP = (dQ - rowsum(dQ * Q)) / (rowsum(P) + eps), which needs Q (the state after the
+    step) and the reciprocal; the state before the step is recovered as P = Q / reciprocal.
+    """
+    m = mixes_width(n)
+    k = n * width
+    rows = list(range(n))
+    groups = [list(range(n)), list(range(n, 2 * n)), list(range(2 * n, m))]
+
+    @T.macro
+    def softmax_rows(comb, a_res, mix, bias):
+        for q in T.unroll(n * n):
+            comb[q] = a_res * mix[2 * n + q] + bias[2 * n + q]
+        for i in T.unroll(n):
+            row_max = comb[i * n]
+            for j in rows[1:]:
+                row_max = T.max(row_max, comb[i * n + j])
+            for j in T.unroll(n):
+                comb[i * n + j] = T.exp(comb[i * n + j] - row_max)
+            total = T.float32(1.0) / sum([comb[i * n + j] for j in rows])
+            for j in T.unroll(n):
+                comb[i * n + j] = comb[i * n + j] * total
+
+    @T.macro
+    def column_step(comb, inv, step):
+        for j in T.unroll(n):
+            inv[step * n + j] = T.float32(1.0) / (sum([comb[i * n + j] for i in rows]) + T.float32(eps))
+            for i in T.unroll(n):
+                comb[i * n + j] = comb[i * n + j] * inv[step * n + j]
+
+    @T.macro
+    def row_step(comb, inv, step):
+        for i in T.unroll(n):
+            inv[step * n + i] = T.float32(1.0) / (sum([comb[i * n + j] for j in rows]) + T.float32(eps))
+            for j in T.unroll(n):
+                comb[i * n + j] = comb[i * n + j] * inv[step * n + i]
+
+    @T.macro
+    def column_step_backward(comb, dcomb, inv, step):
+        for j in T.unroll(n):
+            dot = sum([dcomb[i * n + j] * comb[i * n + j] for i in rows])
+            for i in T.unroll(n):
+                dcomb[i * n + j] = (dcomb[i * n + j] - dot) * inv[step * n + j]
+                comb[i * n + j] = comb[i * n + j] / inv[step * n + j]
+
+    @T.macro
+    def row_step_backward(comb, dcomb, inv, step):
+        for i in T.unroll(n):
+            dot = sum([dcomb[i * n + j] * comb[i * n + j] for j in rows])
+            for j in T.unroll(n):
+                dcomb[i * n + j] = (dcomb[i * n + j] - dot) * inv[step * n + i]
+                comb[i * n + j] = comb[i * n + j] / inv[step * n + i]
+
+    @T.macro
+    def coefficients_backward(mix, alpha, bias, dpre, dpost, dres, comb, dcomb, inv, dlogit, dmix, extra):
+        r = T.rsqrt(mix[m] / T.float32(k) + T.float32(rms_eps))
+        a_pre = alpha[0] * r
+        a_post = alpha[1] * r
+        a_res = alpha[2] * r
+        for i in T.unroll(n):
+            s_pre = T.sigmoid(a_pre * mix[i] + bias[i])
+            dlogit[i] = dpre[i] * s_pre * (T.float32(1.0) - s_pre)
+            s_post = T.sigmoid(a_post * mix[n + i] + bias[n + i])
+            dlogit[n + i] = dpost[i] * T.float32(2.0) * s_post * (T.float32(1.0) - s_post)
+        # Sinkhorn forward again, keeping the reciprocal sums of every step
+        softmax_rows(comb, a_res, mix, bias)
+        for q in T.unroll(n * n):
+            comb[q] = comb[q] + T.float32(eps)
+        column_step(comb, inv, 0)
+        for it in T.serial(iterations - 1):
+            row_step(comb, inv, 2 * it + 1)
+            column_step(comb, inv, 2 * it + 2)
+        # comb holds H_res transposed: the gradient of comb[i * n + j] is dres[j * n + i]
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                dcomb[i * n + j] = dres[j * n + i]
+        for it in T.serial(iterations - 1):
+            back = iterations - 2 - it
+            column_step_backward(comb, dcomb, inv, 2 * back + 2)
+            row_step_backward(comb, dcomb, inv, 2 * back + 1)
+        column_step_backward(comb, dcomb, inv, 0)
+        # softmax backward, on the softmax recomputed exactly (not the reconstructed comb - eps)
+        softmax_rows(comb, a_res, mix, bias)
+        for i in T.unroll(n):
+            dot = sum([dcomb[i * n + j] * comb[i * n + j] for j in rows])
+            for j in T.unroll(n):
+                dlogit[2 * n + i * n + j] = comb[i * n + j] * (dcomb[i * n + j] - dot)
+        # pre-activation z = alpha_k r mix + b: gradients of mix, alpha and r; then of sum(x^2)
+        sums = [sum([dlogit[q] * mix[q] for q in group]) for group in groups]
+        for q in T.unroll(m):
+            dmix[q] = dlogit[q] * T.if_then_else(q < n, a_pre, T.if_then_else(q < 2 * n, a_post, a_res))
+        extra[0] = sums[0] * r
+        extra[1] = sums[1] * r
+        extra[2] = sums[2] * r
+        d_r = alpha[0] * sums[0] + alpha[1] * sums[1] + alpha[2] * sums[2]
+        extra[3] = d_r * T.float32(-0.5) * r * r * r / T.float32(k)
+
+    return coefficients_backward

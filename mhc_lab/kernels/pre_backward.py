@@ -1,0 +1,349 @@
+# pre backward: the gradients of one mHC site's pre (coefficients and layer input), in two kernels.
+#
+#   forward (pre.py): mix = x_flat phi^T, s = sum(x^2), r = rsqrt(s / nC + eps), coefficients from r * mix
+#                     (sigmoids and 20 Sinkhorn rounds), y = sum_j H_pre[j] x_j
+#   backward, given dy = dL/dy, dH_post and dH_res (from the post backward):
+#     kernel 1 (coefficients): dH_pre[j] = sum_c dy[c] x_j[c] (a reduction over the width), then per token
+#              the backward of the sigmoids, of Sinkhorn (recomputed on chip, arXiv 2512.24880 Sec. 4.3.1)
+#              and of the norm: dmix [n^2 + 2n] (the gradient of the raw projections), dlogit (= the bias
+#              gradient per token), the alpha gradients per token and ds (the gradient of s).
+#     kernel 2 (lanes and phi): dx[t, j, c] = dx_in + H_pre[j] dy[c] + sum_q dmix[q] phi[q, jC + c] + 2 ds x
+#              and dphi[q, k] = sum_t dmix[t, q] x_flat[t, k] (a reduction over tokens: per-split partials,
+#              summed afterwards in a fixed order, so deterministic).
+#
+# Bytes per token (bf16, n = 4): kernel 1 reads x and dy (5C elements); kernel 2 reads x, dy (and dx_in when
+# it accumulates another gradient: 4C more) and writes dx (4C): 9C or 13C. phi (1.5 MB at C = 4096) is read
+# from L2 once per CTA and dphi written once per split.
+# FLOPs per token: 2 (n^2 + 2n) nC twice (dmix phi and dmix^T x: 384 C at n = 4) on tensor cores, as three
+# bf16 products (dmix and phi each split into bf16 hi + lo, ~16 bits kept) accumulated in float32.
+#
+# CUDA kernel 1: a warp per token streams the reduction in 16-byte vectors, then lane 0 runs the per-token
+# backward of _coefficients.py (the same macro as the C target). CUDA kernel 2: a CTA owns a block of columns
+# of every lane for a range of token tiles; phi's columns are split into bf16 hi/lo once per CTA; each token
+# tile runs two GEMMs per lane for dx and one for the dphi partial, which stays in registers until the end.
+"""pre backward: coefficient gradients (kernel 1), lane and phi gradients (kernel 2); CUDA or C target."""
+
+
+import functools
+
+import tilelang.language as T
+
+from mhc_lab.kernels._coefficients import coefficient_backward_macro, mixes_width, sinkhorn_steps
+from mhc_lab.kernels._target import canonical_target, compile_program, check_lanes_and_width, round_up
+from mhc_lab.kernels.post_backward import vector_width
+
+EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
+
+
+def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
+    check_lanes_and_width(name, n, C, max_lanes=8)
+    t = canonical_target(target)
+    allowed = ("float32",) if t == "c" else ("bfloat16",)
+    if dtype not in allowed:
+        raise ValueError(f"{name} on target {t!r}: expected dtype in {allowed}, got {dtype!r}")
+    return t
+
+
+def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+                                      splits: int = 1, iterations: int = 20, threads: int = 256):
+    """Kernel 1. Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw
+    projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32;
+    outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all f32)."""
+    t = _check("pre backward (coefficients)", n, C, dtype, target)
+    M = mixes_width(n)
+    NT = T.dynamic("T")
+    S = splits
+    lanes = list(range(n))
+    backward = coefficient_backward_macro(n, C, iterations=iterations)
+    NI = sinkhorn_steps(iterations) * n
+
+    @T.macro
+    def per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv, dlogit_l,
+                  dmix_l, extra_l, dpre, dlogit, dmix, extra):
+        for q in T.unroll(M + 1):
+            mix[q] = partial[0, tok, q]
+        for s in T.serial(S - 1):
+            for q in T.unroll(M + 1):
+                mix[q] = mix[q] + partial[s + 1, tok, q]
+        for i in T.unroll(n):
+            dpost_l[i] = dpost[tok, i]
+            for j in T.unroll(n):
+                dres_l[i * n + j] = dres[tok, i, j]
+        backward(mix, alpha, bias, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l)
+        for i in T.unroll(n):
+            dpre[tok, i] = dpre_l[i]
+        for q in T.unroll(M):
+            dlogit[tok, q] = dlogit_l[q]
+            dmix[tok, q] = dmix_l[q]
+        for q in T.unroll(EXTRA):
+            extra[tok, q] = extra_l[q]
+
+    if t == "c":
+
+        @T.prim_func
+        def coefficients_backward_c(
+            x: T.Tensor((NT, n, C), dtype),
+            dy: T.Tensor((NT, C), dtype),
+            partial: T.Tensor((S, NT, M + 1), "float32"),
+            bias: T.Tensor((M,), "float32"),
+            alpha: T.Tensor((3,), "float32"),
+            dpost: T.Tensor((NT, n), "float32"),
+            dres: T.Tensor((NT, n, n), "float32"),
+            dpre: T.Tensor((NT, n), "float32"),
+            dlogit: T.Tensor((NT, M), "float32"),
+            dmix: T.Tensor((NT, M), "float32"),
+            extra: T.Tensor((NT, EXTRA), "float32"),
+        ):
+            with T.Kernel(NT) as tok:
+                mix = T.alloc_local((M + 1,), "float32")
+                dpre_l = T.alloc_local((n,), "float32")
+                dpost_l = T.alloc_local((n,), "float32")
+                dres_l = T.alloc_local((n * n,), "float32")
+                comb = T.alloc_local((n * n,), "float32")
+                dcomb = T.alloc_local((n * n,), "float32")
+                inv = T.alloc_local((NI,), "float32")
+                dlogit_l = T.alloc_local((M,), "float32")
+                dmix_l = T.alloc_local((M,), "float32")
+                extra_l = T.alloc_local((EXTRA,), "float32")
+                for j in T.serial(n):
+                    dpre_l[j] = T.float32(0)
+                for c in T.serial(C):
+                    d = T.cast(dy[tok, c], "float32")
+                    for j in lanes:
+                        dpre_l[j] += d * T.cast(x[tok, j, c], "float32")
+                per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
+                          dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
+
+        return coefficients_backward_c
+
+    V = vector_width(C, dtype)
+    WARPS = threads // 32
+    STEP = 32 * V
+    NS = (C + STEP - 1) // STEP
+
+    @T.prim_func
+    def coefficients_backward_cuda(
+        x: T.Tensor((NT, n, C), dtype),
+        dy: T.Tensor((NT, C), dtype),
+        partial: T.Tensor((S, NT, M + 1), "float32"),
+        bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"),
+        dpost: T.Tensor((NT, n), "float32"),
+        dres: T.Tensor((NT, n, n), "float32"),
+        dpre: T.Tensor((NT, n), "float32"),
+        dlogit: T.Tensor((NT, M), "float32"),
+        dmix: T.Tensor((NT, M), "float32"),
+        extra: T.Tensor((NT, EXTRA), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, WARPS), threads=threads) as b:
+            xv = T.alloc_local((n, V), dtype)
+            dv = T.alloc_local((V,), dtype)
+            mix = T.alloc_local((M + 1,), "float32")
+            dpre_l = T.alloc_local((n,), "float32")
+            dpost_l = T.alloc_local((n,), "float32")
+            dres_l = T.alloc_local((n * n,), "float32")
+            comb = T.alloc_local((n * n,), "float32")
+            dcomb = T.alloc_local((n * n,), "float32")
+            inv = T.alloc_local((NI,), "float32")
+            dlogit_l = T.alloc_local((M,), "float32")
+            dmix_l = T.alloc_local((M,), "float32")
+            extra_l = T.alloc_local((EXTRA,), "float32")
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            tok = b * WARPS + tx // 32
+            if tok < NT:
+                for j in T.unroll(n):
+                    dpre_l[j] = T.float32(0)
+                for s in T.serial(NS):
+                    c0 = s * STEP + lane * V
+                    if c0 < C:
+                        for j in T.unroll(n):
+                            for v in T.vectorized(V):
+                                xv[j, v] = x[tok, j, c0 + v]
+                        for v in T.vectorized(V):
+                            dv[v] = dy[tok, c0 + v]
+                        for v in T.unroll(V):
+                            d = T.cast(dv[v], "float32")
+                            for j in lanes:
+                                dpre_l[j] += d * T.cast(xv[j, v], "float32")
+                for j in T.unroll(n):
+                    dpre_l[j] = T.warp_reduce_sum(dpre_l[j])
+                if lane == 0:
+                    per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
+                              dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
+
+    return coefficients_backward_cuda
+
+
+def gemm_depth(n: int) -> int:
+    """K of kernel 2's GEMMs per split half: n^2 + 2n rounded up to 16 (the bf16 MMA's K step)."""
+    return round_up(mixes_width(n), 16)
+
+
+def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+                               accumulate: bool = False, splits: int = 1, block_tokens: int = 64,
+                               block_c: int = 64, stages: int = 2, threads: int = 128):
+    """Kernel 2. Arguments: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32, extra [T, 4] f32,
+    phi [n^2+2n, nC] f32, then (if accumulate) dx_in [T, n, C], then the outputs dx [T, n, C] and
+    dphi_partial [splits, n^2+2n, nC] f32 (sum it over the first axis for dphi)."""
+    t = _check("pre backward (lanes)", n, C, dtype, target)
+    M = mixes_width(n)
+    K = n * C
+    NT = T.dynamic("T")
+    S = splits
+    lanes = list(range(n))
+
+    if t == "c":
+        BCc = 8
+
+        @T.macro
+        def body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial):
+            with T.Kernel(T.ceildiv(C, BCc)) as bc:
+                acc = T.alloc_local((1,), "float32")
+                for cc in T.serial(BCc):
+                    col = bc * BCc + cc
+                    if col < C:
+                        for j in T.serial(n):
+                            for tok in T.serial(NT):
+                                v = sum([dmix[tok, q] * phi[q, j * C + col] for q in range(M)],
+                                        pre[tok, j] * T.cast(dy[tok, col], "float32")
+                                        + T.float32(2) * extra[tok, 3] * T.cast(x[tok, j, col], "float32"))
+                                if dx_in is not None:
+                                    v = v + T.cast(dx_in[tok, j, col], "float32")
+                                dx[tok, j, col] = T.cast(v, dtype)
+                            for q in T.serial(M):
+                                acc[0] = T.float32(0)
+                                for tok in T.serial(NT):
+                                    acc[0] += dmix[tok, q] * T.cast(x[tok, j, col], "float32")
+                                dphi_partial[0, q, j * C + col] = acc[0]
+
+        if accumulate:
+
+            @T.prim_func
+            def lanes_backward_c_acc(
+                x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
+                dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+                phi: T.Tensor((M, K), "float32"), dx_in: T.Tensor((NT, n, C), dtype),
+                dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
+            ):
+                body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial)
+
+            return lanes_backward_c_acc
+
+        @T.prim_func
+        def lanes_backward_c(
+            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
+            dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+            phi: T.Tensor((M, K), "float32"),
+            dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
+        ):
+            body(x, dy, pre, dmix, extra, phi, None, dx, dphi_partial)
+
+        return lanes_backward_c
+
+    KH = gemm_depth(n)
+    K2 = 2 * KH
+    BT, BC = block_tokens, block_c
+
+    @T.macro
+    def body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial):
+        with T.Kernel(T.ceildiv(C, BC), S, threads=threads) as (bc, s):
+            phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in lanes]
+            a_hh = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
+            a_l0 = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_lo | 0]
+            a_hl = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_lo]
+            xs = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
+            dys = T.alloc_shared((BT, BC), dtype)
+            coef = T.alloc_shared((BT, n + 1), "float32")  # H_pre per lane, then 2 ds
+            acc = T.alloc_fragment((BT, BC), "float32")
+            dxf = T.alloc_fragment((BT, BC), dtype)
+            acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in lanes]
+            phi_out = T.alloc_shared((K2, BC), "float32")
+            c0 = bc * BC
+            tiles = T.ceildiv(T.ceildiv(NT, BT), S)
+            for j in lanes:
+                # this CTA's columns of phi, split into bf16 hi (rows 0..KH) and lo (rows KH..2KH) once
+                for k, c in T.Parallel(K2, BC):
+                    q = k % KH
+                    v = T.if_then_else((q < M) & (c0 + c < C), phi[q % M, j * C + T.min(c0 + c, C - 1)],
+                                       T.float32(0))
+                    hi = T.cast(v, "bfloat16")
+                    phi_s[j][k, c] = T.if_then_else(k < KH, hi, T.cast(v - T.cast(hi, "float32"), "bfloat16"))
+                T.clear(acc_phi[j])
+            for tb in T.serial(tiles):
+                t0 = (s * tiles + tb) * BT
+                for tt, k in T.Parallel(BT, K2):
+                    q = k % KH
+                    d = T.if_then_else((q < M) & (t0 + tt < NT), dmix[T.min(t0 + tt, NT - 1), q % M], T.float32(0))
+                    dh = T.cast(d, "bfloat16")
+                    dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
+                    a_hh[tt, k] = dh
+                    a_l0[tt, k] = T.if_then_else(k < KH, dl, T.cast(0, "bfloat16"))
+                    a_hl[tt, k] = T.if_then_else(k < KH, dh, dl)
+                for tt, j in T.Parallel(BT, n + 1):
+                    tok = T.min(t0 + tt, NT - 1)
+                    coef[tt, j] = T.if_then_else(
+                        t0 + tt < NT,
+                        T.if_then_else(j < n, pre[tok, j % n], T.float32(2) * extra[tok, 3]),
+                        T.float32(0),
+                    )
+                for j in lanes:
+                    T.copy(x[t0 : t0 + BT, j, c0 : c0 + BC], xs[j])
+                T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
+                for j in lanes:
+                    T.clear(acc)
+                    T.gemm(a_hh, phi_s[j], acc)
+                    T.gemm(a_l0, phi_s[j], acc)
+                    for tt, c in T.Parallel(BT, BC):
+                        v = (acc[tt, c] + coef[tt, j] * T.cast(dys[tt, c], "float32")
+                             + coef[tt, n] * T.cast(xs[j][tt, c], "float32"))
+                        if dx_in is not None:
+                            tok = T.min(t0 + tt, NT - 1)
+                            col = T.min(c0 + c, C - 1)
+                            v = v + T.cast(dx_in[tok, j, col], "float32")
+                        dxf[tt, c] = T.cast(v, dtype)
+                    T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
+                    T.gemm(a_hl, xs[j], acc_phi[j], transpose_A=True)
+            for j in lanes:
+                T.copy(acc_phi[j], phi_out)
+                for q, c in T.Parallel(M, BC):
+                    if c0 + c < C:
+                        dphi_partial[s, q, j * C + c0 + c] = phi_out[q, c] + phi_out[KH + q, c]
+
+    if accumulate:
+
+        @T.prim_func
+        def lanes_backward_cuda_acc(
+            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
+            dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+            phi: T.Tensor((M, K), "float32"), dx_in: T.Tensor((NT, n, C), dtype),
+            dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, M, K), "float32"),
+        ):
+            body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial)
+
+        return lanes_backward_cuda_acc
+
+    @T.prim_func
+    def lanes_backward_cuda(
+        x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
+        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+        phi: T.Tensor((M, K), "float32"),
+        dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, M, K), "float32"),
+    ):
+        body(x, dy, pre, dmix, extra, phi, None, dx, dphi_partial)
+
+    return lanes_backward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
+                         accumulate: bool = False, lane_splits: int = 1, block_tokens: int = 64,
+                         block_c: int = 64, stages: int = 2):
+    """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
+    ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial)."""
+    t = canonical_target(target)
+    coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
+    lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "block_c": block_c,
+                                   "stages": stages}
+    lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, accumulate=accumulate, **lanes_kw), t)
+    return coefficients, lanes
