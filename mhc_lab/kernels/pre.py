@@ -90,6 +90,48 @@ def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, bl
     return pre_c
 
 
+def projection_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, block_tokens: int = 4):
+    """The C-target projection alone: partial [1, T, n^2+2n+1] = (x_flat phi^T, sum(x^2)) per token, what the
+    backward needs from the forward (the CUDA split plan's projection pass writes the same, in splits)."""
+    if canonical_target(target) != "c":
+        raise ValueError("projection_program is the C-target program; on CUDA the split plan's pass 1 does this")
+    if dtype != "float32":
+        raise ValueError(f"projection on the C target: expected dtype 'float32', got {dtype!r}")
+    check_lanes_and_width("projection", n, C, max_lanes=8)
+    M = mixes_width(n)
+    BT = block_tokens
+    NT = T.dynamic("T")
+
+    @T.prim_func
+    def projection_c(
+        x: T.Tensor((NT, n, C), dtype),
+        phi: T.Tensor((M, n * C), "float32"),
+        partial: T.Tensor((1, NT, M + 1), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, BT)) as b:
+            mix = T.alloc_local((M + 1,), "float32")
+            for tt in T.serial(BT):
+                tok = b * BT + tt
+                if tok < NT:
+                    for q in T.serial(M + 1):
+                        mix[q] = T.float32(0)
+                    for j, c in T.grid(n, C):
+                        v = T.cast(x[tok, j, c], "float32")
+                        mix[M] += v * v
+                        for q in T.serial(M):
+                            mix[q] += v * phi[q, j * C + c]
+                    for q in T.serial(M + 1):
+                        partial[0, tok, q] = mix[q]
+
+    return projection_c
+
+
+@functools.lru_cache(maxsize=None)
+def projection_kernel_c(n: int, C: int):
+    """The compiled C-target projection (cached per process): ``kernel(x, phi, partial)``."""
+    return compile_program(projection_program(n, C), "c")
+
+
 @functools.lru_cache(maxsize=None)
 def pre_kernel_c(n: int, C: int, dtype: str = "float32", *, block_tokens: int = 4):
     """The compiled C-target pre kernel (cached per process)."""

@@ -44,12 +44,17 @@ def choose_plan(n: int, C: int, plan: str = "auto") -> str:
     return plan
 
 
-def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, plan: str = "auto", **overrides) -> str:
-    """Fill y, pre, post, res for lanes x [T, n, C] (bf16, contiguous, on the current CUDA device)."""
+def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, plan: str = "auto", partial=None, **overrides) -> str:
+    """Fill y, pre, post, res for lanes x [T, n, C] (bf16, contiguous, on the current CUDA device).
+
+    partial: optional [splits, T, n^2+2n+1] float32 buffer (split plan only) that keeps the projection
+    pass's output for a backward; splits = SPLIT_DEFAULTS['splits'] unless overridden."""
     tokens, n, C = x.shape
     if (n * C) % 8 != 0:
         raise ValueError(f"CUDA pre kernels read 16-byte rows: n * C must be a multiple of 8, got n = {n}, C = {C}")
     chosen = choose_plan(n, C, plan)
+    if partial is not None and chosen != "split":
+        raise ValueError(f"partial: only the split plan keeps the projection's partial sums, got plan {chosen!r}")
     if chosen == "cluster":
         from mhc_lab.kernels.pre_cluster import cluster_kernel
 
@@ -72,7 +77,11 @@ def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, plan: str = "auto", 
     cfg = {**SPLIT_DEFAULTS, **overrides}
     phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda", **cfg)
     phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
-    partial = torch.empty((cfg["splits"], tokens, mixes_width(n) + 1), dtype=torch.float32, device=x.device)
+    shape = (cfg["splits"], tokens, mixes_width(n) + 1)
+    if partial is None:
+        partial = torch.empty(shape, dtype=torch.float32, device=x.device)
+    elif tuple(partial.shape) != shape or partial.dtype != torch.float32:
+        raise ValueError(f"partial: expected shape {shape} float32, got {tuple(partial.shape)} {partial.dtype}")
     phi_split(phi, phi_hl)
     project(x.view(tokens, n * C), phi_hl, partial)
     apply(x, partial, bias, alpha, y, pre, post, res)

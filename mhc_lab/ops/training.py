@@ -1,0 +1,408 @@
+"""Differentiable mHC site ops (forward and backward) and the modules that train with them.
+
+    y, post, res = mhc_pre(x, phi, bias, alpha)          # x: lanes [..., n, C]
+    x_next = mhc_post(x, layer(y), post, res)
+
+Backends:
+  - "kernels": the fused TileLang kernels, forward and backward (mhc_lab.kernels). On CUDA: bf16 lanes,
+    n = 1..8, n*C a multiple of 8. On the CPU the same kernels run through TileLang's C target, in float32
+    (slow, for checking and learning).
+  - "reference": mhc_lab.reference's math forward, and the hand-derived backward of mhc_lab.reference.backward
+    (it recomputes the coefficients from the inputs).
+  - "auto" (the default): "kernels" on CUDA where they apply, "reference" everywhere else.
+
+Both backends are torch.library custom ops (``torch.ops.mhc_lab.*``) with their own backward ops, so
+torch.compile traces a model around them without graph breaks, and selective activation checkpointing can
+recompute exactly these ops (``MHCResidualStream(recompute_block=...)``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from mhc_lab.reference.backward import post_backward as reference_post_backward
+from mhc_lab.reference.backward import pre_backward as reference_pre_backward
+from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes
+from mhc_lab.reference.mhc import mhc_coefficients, mhc_identity_init, mixes_width
+from mhc_lab.reference.mhc import mhc_post as reference_post
+from mhc_lab.reference.mhc import mhc_pre as reference_pre
+from mhc_lab.reference.validate import InputError, require_lanes, require_positive_int, require_tensor
+
+BACKENDS = ("auto", "reference", "kernels")
+KERNEL_MAX_LANES = 8
+
+
+# ----------------------------------------------------------------------------------------------------------
+# input checks and dispatch
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def kernels_apply(x: torch.Tensor) -> tuple[bool, str]:
+    """Whether the fused kernels take these lanes, and if not, why not."""
+    n, C = x.shape[-2], x.shape[-1]
+    if n > KERNEL_MAX_LANES:
+        return False, f"the kernels take n = 1..{KERNEL_MAX_LANES} lanes, got n = {n}"
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16:
+            return False, f"the CUDA kernels take bfloat16 lanes, got {x.dtype}"
+        if (n * C) % 8:
+            return False, f"the CUDA kernels read 16-byte rows: n * C must be a multiple of 8, got {n} * {C}"
+        return True, ""
+    if x.device.type == "cpu":
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False, f"the C-target kernels take float32/bfloat16/float16 lanes, got {x.dtype}"
+        return True, ""
+    return False, f"the kernels run on CPU or CUDA tensors, got device {x.device}"
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """'auto' -> 'kernels' on CUDA where they apply, else 'reference'; 'kernels' is checked, not downgraded."""
+    if backend not in BACKENDS:
+        raise InputError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return backend
+    ok, why = kernels_apply(x)
+    if backend == "kernels":
+        if not ok:
+            raise InputError(f"backend 'kernels': {why} (x: {_describe(x)}); use backend='reference'")
+        return backend
+    return "kernels" if ok and x.device.type == "cuda" else "reference"
+
+
+def _check_site(x, phi, bias, alpha) -> tuple[int, int]:
+    n, C = require_lanes("x", x)
+    m = mixes_width(n)
+    for name, value, shape in (("phi", phi, (m, n * C)), ("bias", bias, (m,)), ("alpha", alpha, (3,))):
+        require_tensor(name, value)
+        if tuple(value.shape) != shape:
+            raise InputError(f"mhc_pre: {name}: expected shape {shape} for n = {n}, C = {C}, got {_describe(value)}")
+        if value.device != x.device:
+            raise InputError(f"mhc_pre: {name}: expected device {x.device} (the lanes'), got {_describe(value)}")
+        if not value.is_floating_point():
+            raise InputError(f"mhc_pre: {name}: expected a floating-point tensor, got {_describe(value)}")
+    return n, C
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the custom ops: forward and backward of pre and post, each with both backends
+
+
+def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """[1, T, n^2+2n+1]: the raw projections and sum of squares the backward starts from."""
+    tokens, n, C = x.shape
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    flat = x.reshape(tokens, n * C).to(cd)
+    return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
+
+
+def _lane_splits(C: int, device: torch.device) -> int:
+    """Token splits of the pre backward's lane kernel: about one CTA per SM (64 columns per CTA)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    blocks = -(-C // 64)
+    return max(1, min(16, round(sms / blocks)))
+
+
+@torch.library.custom_op("mhc_lab::pre_forward", mutates_args=())
+def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, n, C] -> (y [T, C], post [T, n], res [T, n, n], pre [T, n], partial [S, T, n^2+2n+1]).
+
+    Coefficients and partial are float32 (float64 for float64 lanes, reference backend only)."""
+    tokens, n, C = x.shape
+    if backend == "reference":
+        co = mhc_coefficients(x, phi, bias, alpha)
+        y = reference_pre(x, co.pre)
+        outputs = (y, co.post, co.res, co.pre, _partial_reference(x, phi))
+        return tuple(t.contiguous() for t in outputs)  # the custom op promises contiguous outputs
+    m = mixes_width(n)
+    y = torch.empty((tokens, C), dtype=x.dtype, device=x.device)
+    post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
+    res = torch.empty((tokens, n, n), dtype=torch.float32, device=x.device)
+    pre = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
+    phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
+    if x.device.type == "cuda":
+        from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS, run_pre_cuda
+
+        partial = torch.empty((SPLIT_DEFAULTS["splits"], tokens, m + 1), dtype=torch.float32, device=x.device)
+        if tokens:
+            with torch.cuda.device(x.device):
+                run_pre_cuda(x.contiguous(), phi32, bias32, alpha32, y, pre, post, res, plan="split",
+                             partial=partial)
+        return y, post, res, pre, partial
+    from mhc_lab.kernels.pre import pre_kernel_c, projection_kernel_c
+
+    partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
+    if tokens:
+        x32 = x.float().contiguous()
+        y32 = y if x.dtype == torch.float32 else torch.empty((tokens, C), dtype=torch.float32)
+        pre_kernel_c(n, C)(x32, phi32, bias32, alpha32, y32, pre, post, res)
+        projection_kernel_c(n, C)(x32, phi32, partial)
+        if y32 is not y:
+            y.copy_(y32)
+    return y, post, res, pre, partial
+
+
+@pre_forward.register_fake
+def _(x, phi, bias, alpha, backend):
+    tokens, n, C = x.shape
+    m = mixes_width(n)
+    splits = 1
+    if backend == "kernels" and x.device.type == "cuda":
+        from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
+
+        splits = SPLIT_DEFAULTS["splits"]
+    cd = dict(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
+    return (x.new_empty((tokens, C)), x.new_empty((tokens, n), **cd), x.new_empty((tokens, n, n), **cd),
+            x.new_empty((tokens, n), **cd), x.new_empty((splits, tokens, m + 1), **cd))
+
+
+@torch.library.custom_op("mhc_lab::pre_backward", mutates_args=())
+def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
+                 partial: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res."""
+    tokens, n, C = x.shape
+    if backend == "reference":
+        grads = reference_pre_backward(x, phi, bias, alpha, dy, dpost, dres)
+        return tuple(g.to(leaf.dtype).contiguous() for g, leaf in zip(grads, (x, phi, bias, alpha)))
+    m = mixes_width(n)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
+    dx = torch.empty_like(x)
+    phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
+    dpost, dres = dpost.float().contiguous(), dres.float().contiguous()
+    from mhc_lab.kernels.pre_backward import pre_backward_kernels
+
+    if x.device.type == "cuda":
+        splits = _lane_splits(C, x.device)
+        coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
+                                                   lane_splits=splits)
+        dphi_partial = torch.empty((splits, m, n * C), **f32)
+        if tokens:
+            with torch.cuda.device(x.device):
+                xc, dyc = x.contiguous(), dy.contiguous()
+                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
+                lanes(xc, dyc, pre.contiguous(), dmix, extra, phi32, dx, dphi_partial)
+    else:
+        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0])
+        dphi_partial = torch.empty((1, m, n * C), **f32)
+        if tokens:
+            x32, dy32 = x.float().contiguous(), dy.float().contiguous()
+            dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
+            coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
+            lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, dx32, dphi_partial)
+            if dx32 is not dx:
+                dx.copy_(dx32)
+    if not tokens:
+        dphi_partial.zero_()
+        dlogit, extra = dlogit.new_zeros((0, m)), extra.new_zeros((0, 4))
+    return (dx, dphi_partial.sum(0).to(phi.dtype), dlogit.sum(0).to(bias.dtype), extra[:, :3].sum(0).to(alpha.dtype))
+
+
+@pre_backward.register_fake
+def _(x, phi, bias, alpha, pre, partial, dy, dpost, dres, backend):
+    return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
+
+
+def _pre_setup_context(ctx, inputs, output):
+    x, phi, bias, alpha, backend = inputs
+    _, _, _, pre, partial = output
+    ctx.backend = backend
+    ctx.save_for_backward(x, phi, bias, alpha, pre, partial)
+    ctx.mark_non_differentiable(pre, partial)
+
+
+def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial):
+    x, phi, bias, alpha, pre, partial = ctx.saved_tensors
+    dy = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device) if dy is None else dy
+    dpost = torch.zeros_like(pre) if dpost is None else dpost
+    dres = torch.zeros((x.shape[0], x.shape[1], x.shape[1]), dtype=pre.dtype, device=x.device) if dres is None else dres
+    dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, dy.contiguous(), dpost.contiguous(),
+                                           dres.contiguous(), ctx.backend)
+    return dx, dphi, dbias, dalpha, None
+
+
+pre_forward.register_autograd(_pre_backward, setup_context=_pre_setup_context)
+
+
+@torch.library.custom_op("mhc_lab::post_forward", mutates_args=())
+def post_forward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, backend: str
+                 ) -> torch.Tensor:
+    """x [T, n, C], f [T, C], post [T, n], res [T, n, n] -> the next lanes [T, n, C]."""
+    if backend == "reference":
+        return reference_post(x, f, post, res).contiguous()
+    from mhc_lab.ops.forward import mhc_post_fused
+
+    return mhc_post_fused(x.contiguous(), f.contiguous(), post.float().contiguous(), res.float().contiguous())
+
+
+@post_forward.register_fake
+def _(x, f, post, res, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mhc_lab::post_backward", mutates_args=())
+def post_backward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, g: torch.Tensor,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, df, dpost, dres) of post_forward, given the gradient g of the next lanes."""
+    tokens, n, C = x.shape
+    if backend == "reference":
+        grads = reference_post_backward(x, f, post, res, g)
+        return tuple(gr.to(leaf.dtype).contiguous() for gr, leaf in zip(grads, (x, f, post, res)))
+    from mhc_lab.kernels.post_backward import post_backward_kernel
+
+    f32 = dict(dtype=torch.float32, device=x.device)
+    dpost, dres = torch.empty((tokens, n), **f32), torch.empty((tokens, n, n), **f32)
+    dx, df = torch.empty_like(x), torch.empty_like(f)
+    post32, res32 = post.float().contiguous(), res.float().contiguous()
+    if tokens == 0:
+        return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
+    if x.device.type == "cuda":
+        dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[x.dtype]
+        with torch.cuda.device(x.device):
+            post_backward_kernel(n, C, dtype, "cuda")(x.contiguous(), f.contiguous(), g.contiguous(), post32, res32,
+                                                      dx, df, dpost, dres)
+    else:
+        args = [t.float().contiguous() for t in (x, f, g)]
+        dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
+        df32 = df if x.dtype == torch.float32 else torch.empty(f.shape, **f32)
+        post_backward_kernel(n, C, "float32", "c")(args[0], args[1], args[2], post32, res32, dx32, df32, dpost, dres)
+        if dx32 is not dx:
+            dx.copy_(dx32)
+            df.copy_(df32)
+    return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
+
+
+@post_backward.register_fake
+def _(x, f, post, res, g, backend):
+    return torch.empty_like(x), torch.empty_like(f), torch.empty_like(post), torch.empty_like(res)
+
+
+def _post_setup_context(ctx, inputs, output):
+    x, f, post, res, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(x, f, post, res)
+
+
+def _post_backward(ctx, g):
+    x, f, post, res = ctx.saved_tensors
+    dx, df, dpost, dres = post_backward(x, f, post, res, g.contiguous(), ctx.backend)
+    return dx, df, dpost, dres, None
+
+
+post_forward.register_autograd(_post_backward, setup_context=_post_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the public functions
+
+
+def mhc_pre(x, phi, bias, alpha, *, backend: str = "auto"):
+    """(layer input H_pre x [..., C], H_post [..., n] f32, H_res [..., n, n] f32), differentiable in x, phi,
+    bias and alpha. DeepSeek-V4 convention, 20 Sinkhorn rounds (mhc_lab.reference.mhc_coefficients)."""
+    n, C = _check_site(x, phi, bias, alpha)
+    chosen = resolve_backend(backend, x)
+    batch = tuple(x.shape[:-2])
+    y, post, res, _, _ = pre_forward(x.reshape(-1, n, C), phi, bias, alpha, chosen)
+    return y.view(*batch, C), post.view(*batch, n), res.view(*batch, n, n)
+
+
+def mhc_post(x, layer_output, post, res, *, backend: str = "auto"):
+    """The next lanes sum_j H_res[i, j] x_j + H_post[i] layer_output, differentiable in every input."""
+    n, C = require_lanes("x", x)
+    batch = tuple(x.shape[:-2])
+    for name, value, shape in (("layer_output", layer_output, batch + (C,)), ("post", post, batch + (n,)),
+                               ("res", res, batch + (n, n))):
+        require_tensor(name, value)
+        if tuple(value.shape) != shape or value.device != x.device:
+            raise InputError(f"mhc_post: {name}: expected shape {shape} on {x.device}, got {_describe(value)}")
+    if layer_output.dtype != x.dtype:
+        raise InputError(f"mhc_post: layer_output: expected dtype {x.dtype} (the lanes'), got {_describe(layer_output)}")
+    chosen = resolve_backend(backend, x)
+    out = post_forward(x.reshape(-1, n, C), layer_output.reshape(-1, C), post.reshape(-1, n),
+                       res.reshape(-1, n, n), chosen)
+    return out.view(*batch, n, C)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# modules
+
+
+class MHCConnection(nn.Module):
+    """One mHC site around a layer function: x_next = H_res x + H_post^T layer(H_pre x).
+
+    Parameters in DeepSeek-V4's layout (phi [n^2+2n, nC], bias [n^2+2n], alpha [3], float32), initialised
+    near the identity (mhc_lab.reference.mhc_identity_init)."""
+
+    def __init__(self, n: int, width: int, *, backend: str = "auto"):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise InputError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.n, self.width, self.backend = require_positive_int("n", n), require_positive_int("width", width), backend
+        phi, bias, alpha = mhc_identity_init(n, width)
+        self.phi, self.bias, self.alpha = nn.Parameter(phi), nn.Parameter(bias), nn.Parameter(alpha)
+
+    def forward(self, x: torch.Tensor, layer) -> torch.Tensor:
+        require_lanes("x", x, n=self.n)
+        y, post, res = mhc_pre(x, self.phi, self.bias, self.alpha, backend=self.backend)
+        return mhc_post(x, layer(y), post, res, backend=self.backend)
+
+
+def recompute_policy(ctx, op, *args, **kwargs):
+    """Selective checkpointing: recompute the mHC ops (torch.ops.mhc_lab.*) in backward, keep the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    namespace = getattr(op, "namespace", None)
+    return CheckpointPolicy.PREFER_RECOMPUTE if namespace == "mhc_lab" else CheckpointPolicy.MUST_SAVE
+
+
+class MHCResidualStream(nn.Module):
+    """Layers joined by mHC: the hidden state is copied into n lanes, every layer is wrapped by its own
+    MHCConnection, and the lanes are summed back into one hidden state at the end.
+
+    recompute_block: None keeps every activation; k > 0 checkpoints blocks of k layers in which only the mHC
+    ops are recomputed in backward (the layers' own activations are kept), so the lanes of a block's inner
+    layers are not stored (arXiv 2512.24880 Sec. 4.3.2); "auto" takes the integer optimum of Eq. 20
+    (mhc_lab.course.recompute)."""
+
+    def __init__(self, layers: Sequence[nn.Module], n: int, width: int, *, backend: str = "auto",
+                 recompute_block: int | str | None = None):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        if not len(self.layers):
+            raise InputError("layers: expected at least one layer, got none")
+        self.n = require_positive_int("n", n)
+        self.connections = nn.ModuleList(MHCConnection(n, width, backend=backend) for _ in self.layers)
+        if recompute_block == "auto":
+            from mhc_lab.course.recompute import optimal_block
+
+            recompute_block, _ = optimal_block(n, len(self.layers))
+        if recompute_block is not None and (not isinstance(recompute_block, int) or recompute_block < 1):
+            raise InputError(f"recompute_block: expected None, 'auto' or a positive int, got {recompute_block!r}")
+        self.recompute_block = recompute_block
+
+    def _run(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        for connection, layer in zip(self.connections[start:stop], self.layers[start:stop]):
+            x = connection(x, layer)
+        return x
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = expand_lanes(h, self.n)
+        block = self.recompute_block
+        if block is None or not torch.is_grad_enabled():
+            x = self._run(x, 0, len(self.layers))
+        else:
+            from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+            context = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
+            for start in range(0, len(self.layers), block):
+                x = checkpoint(self._run, x, start, min(start + block, len(self.layers)), use_reentrant=False,
+                               context_fn=context)
+        return collapse_lanes(x)
