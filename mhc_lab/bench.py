@@ -3,6 +3,7 @@
     python -m mhc_lab.bench memory-wall [--out DIR]   lab 04: copy bandwidth, naive layers, launches
     python -m mhc_lab.bench tilelang [--out DIR]      lab 05: TileLang RMSNorm, residual add and copy vs eager
     python -m mhc_lab.bench forward [--out DIR]       lab 06: fused mHC forward vs eager, compile, TileKernels
+    python -m mhc_lab.bench training [--out DIR]      lab 07: site forward + backward, transformer block
     python -m mhc_lab.bench all [--out DIR]
 """
 
@@ -15,6 +16,7 @@ SUITES = {
     "memory-wall": "mhc_lab.course.bench_memory_wall",
     "tilelang": "mhc_lab.course.bench_tilelang",
     "forward": "mhc_lab.course.bench_forward",
+    "training": "mhc_lab.course.bench_training",
 }
 
 

@@ -176,8 +176,9 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
 
 
 def gemm_depth(n: int) -> int:
-    """K of kernel 2's GEMMs per split half: n^2 + 2n rounded up to 16 (the bf16 MMA's K step)."""
-    return round_up(mixes_width(n), 16)
+    """K of kernel 2's GEMMs per split half: n^2 + 2n rounded up to 32, so that both halves together (the M
+    of the transposed dphi GEMM) are a multiple of 64, the warpgroup MMA's M."""
+    return round_up(mixes_width(n), 32)
 
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,

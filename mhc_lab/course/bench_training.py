@@ -1,0 +1,284 @@
+"""Benchmark of mHC training on a CUDA GPU: one site forward + backward, and a transformer block.
+
+    python -m mhc_lab.bench training                       # everything, records JSON
+    python -m mhc_lab.bench training --parts site --shapes 16384x4096 --no-save
+
+Site (n = 4, bf16 lanes, float32 coefficients, 20 Sinkhorn rounds, layer F = identity): forward and the
+gradients of x, phi, bias and alpha for a random upstream gradient, timed as medians (L2 flushed between
+runs) for ours (the fused kernels through mhc_lab.ops.training), DeepSeek's TileKernels (tile-kernels 1.0.0,
+its autograd path), torch.compile of the reference and the eager reference; every gradient is compared
+with the float32 reference on the same inputs.
+
+Block (pre-norm causal attention + 4C GELU MLP, bf16, 4 sequences x 4096 tokens): forward + backward of one
+block with a plain residual and with mHC around each of its two sub-layers (ours, ours with the mHC ops
+recomputed in backward, TileKernels, torch.compile of the reference), with peak memory above the inputs.
+Results go to mhc_lab/recorded/training_h200.json unless --no-save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+from torch import nn
+
+from mhc_lab.course.bench_forward import _inputs, _rel, _tilekernels, _timer, copy_bandwidth
+from mhc_lab.course.measure import save_recording
+from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
+
+SHAPES = ((16384, 2560), (16384, 4096), (8192, 7168))
+BLOCK_WIDTHS = (2560, 4096)
+N = 4
+
+
+def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> dict:
+    """Bytes per site: the least any forward + backward moves, and what ours moves (per docs/kernel-notes.md).
+
+    least: forward 14C (pre reads nC, writes C; post reads (n+1)C, writes nC) + backward: post reads g, x, f
+    and writes dx, df ((2n+1) + (n+1) C), pre reads dy and x and writes dx (n+1 + n C, with the post's dx
+    added in the same pass): 41 C elements at n = 4."""
+    least = (2 * n + 1 + n + 1) + (2 * n + 1 + n + 1) + (n + 1 + n + n)
+    # ours: split pre reads x twice; post; post backward; pre backward reads x and dy twice (kernel 1 and 2),
+    # writes dx; autograd adds the two dx (reads 2nC, writes nC)
+    ours = (2 * n + 1) + (2 * n + 1) + (3 * n + 2) + (n + 1) + (2 * n + 1) + 3 * n
+    return {"least": tokens * least * C * itemsize, "ours": tokens * ours * C * itemsize,
+            "least_elements_per_token": f"{least} C", "ours_elements_per_token": f"{ours} C"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# site
+
+
+def _site_impls(skip):
+    from mhc_lab.ops.training import mhc_post as ours_post, mhc_pre as ours_pre
+
+    def ours(x, phi, bias, alpha):
+        y, post, res = ours_pre(x, phi, bias, alpha, backend="kernels")
+        return ours_post(x, y, post, res, backend="kernels")
+
+    def reference(x, phi, bias, alpha):
+        pre, post, res = mhc_coefficients(x, phi, bias, alpha)
+        return mhc_post(x, mhc_pre(x, pre), post, res)
+
+    impls = {"ours": ours}
+    errors = {}
+    if "tilekernels" not in skip:
+        try:
+            tk_site_nograd = _tilekernels()  # noqa: F841 (imports and checks the package)
+            from tile_kernels.modeling.mhc import mhc_pre as tk_pre
+            from tile_kernels.modeling.mhc.ops.post import mhc_post as tk_post
+
+            def tilekernels(x, phi, bias, alpha):
+                r = x.unsqueeze(0)
+                y, (post_mix, comb_mix) = tk_pre(r, phi, alpha, bias, post_mult_value=2.0, sinkhorn_repeat=20)
+                return tk_post(y, r, post_mix, comb_mix).squeeze(0)
+
+            impls["tilekernels"] = tilekernels
+        except Exception as e:  # noqa: BLE001 - record why the baseline is missing
+            errors["tilekernels"] = repr(e)[:500]
+    if "compile" not in skip:
+        impls["compiled"] = torch.compile(reference)
+    if "eager" not in skip:
+        impls["eager"] = reference
+    return impls, errors, reference
+
+
+def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
+    x, phi, bias, alpha = _inputs(tokens, C)
+    g = torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, phi, bias, alpha)]
+    impls, errors, reference = _site_impls(skip)
+    out = {"tokens": tokens, "C": C, "n": N, "bytes": site_bytes_fwd_bwd(tokens, C), "times_ms": {},
+           "rel_err": {}, "errors": errors}
+    want = torch.autograd.grad(reference(*leaves), leaves, g)
+    names = ("x", "phi", "bias", "alpha")
+    for name, fn in impls.items():
+        def step(fn=fn):
+            return torch.autograd.grad(fn(*leaves), leaves, g)
+        try:
+            got = step()
+            torch.cuda.synchronize()
+            out["rel_err"][name] = {k: _rel(a, b) for k, a, b in zip(names, got, want)}
+            out["times_ms"][name] = bench(step) * 1e3
+            errs = " ".join(f"{k} {v:.1e}" for k, v in out["rel_err"][name].items())
+            log(f"  site {tokens}x{C} {name:12s} {out['times_ms'][name]:8.3f} ms  rel err {errs}")
+        except Exception as e:  # noqa: BLE001
+            out["errors"][name] = repr(e)[:500]
+            log(f"  site {tokens}x{C} {name:12s} FAILED {repr(e)[:300]}")
+    if "ours" in out["times_ms"] and "tilekernels" in out["times_ms"]:
+        out["ours_vs_tilekernels"] = out["times_ms"]["ours"] / out["times_ms"]["tilekernels"]
+    out["times_ms"].update(_site_components(x, phi, bias, alpha, g, bench))
+    return out
+
+
+def _site_components(x, phi, bias, alpha, g, bench) -> dict:
+    """Each of our kernels alone (forward ops and backward ops), for the byte accounting."""
+    ops = torch.ops.mhc_lab
+    tokens, n, C = x.shape
+    y, post, res, pre, partial = ops.pre_forward(x, phi, bias, alpha, "kernels")
+    f = y
+    dy = torch.randn_like(y)
+    return {
+        "fwd.pre": bench(lambda: ops.pre_forward(x, phi, bias, alpha, "kernels")) * 1e3,
+        "fwd.post": bench(lambda: ops.post_forward(x, f, post, res, "kernels")) * 1e3,
+        "bwd.post": bench(lambda: ops.post_backward(x, f, post, res, g, "kernels")) * 1e3,
+        "bwd.pre": bench(lambda: ops.pre_backward(x, phi, bias, alpha, pre, partial, dy, post, res, "kernels")) * 1e3,
+        "bwd.add_dx": bench(lambda: x + x) * 1e3,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# block
+
+
+class _Block(nn.Module):
+    """Pre-norm causal attention + 4C GELU MLP, joined by a plain residual or by an mHC connection each."""
+
+    def __init__(self, width: int, heads: int, connection: str):
+        super().__init__()
+        from mhc_lab.course.models import MLP, CausalSelfAttention, PreNorm
+
+        self.connection = connection
+        self.layers = nn.ModuleList([PreNorm(width, CausalSelfAttention(width, heads)), PreNorm(width, MLP(width))])
+        self.layers.to(torch.bfloat16)
+        if connection.startswith("mhc"):
+            from mhc_lab.ops.training import MHCConnection
+
+            self.sites = nn.ModuleList(MHCConnection(N, width, backend="kernels") for _ in self.layers)
+            for site in self.sites:  # away from the identity, so every coefficient path carries gradient
+                with torch.no_grad():
+                    site.phi.normal_(0, 1 / math.sqrt(N * width))
+        if connection == "mhc_reference":
+            from mhc_lab.reference import ManifoldHyperConnection
+
+            self.sites = nn.ModuleList(ManifoldHyperConnection(N, width) for _ in self.layers)
+        if connection == "mhc_tilekernels":
+            from tile_kernels.modeling.mhc import mhc_pre as tk_pre
+            from tile_kernels.modeling.mhc.ops.post import mhc_post as tk_post
+
+            self._tk = (tk_pre, tk_post)
+
+    def forward(self, h):
+        if self.connection == "residual":
+            for layer in self.layers:
+                h = h + layer(h)
+            return h
+        if self.connection == "mhc_tilekernels":
+            tk_pre, tk_post = self._tk
+            for site, layer in zip(self.sites, self.layers):
+                y, (post_mix, comb_mix) = tk_pre(h, site.phi, site.alpha, site.bias, post_mult_value=2.0,
+                                                 sinkhorn_repeat=20)
+                h = tk_post(layer(y), h, post_mix, comb_mix)
+            return h
+        for site, layer in zip(self.sites, self.layers):
+            h = site(h, layer)
+        return h
+
+
+def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
+    heads = width // 128
+    out = {"C": width, "tokens": batch * seq, "batch": batch, "seq": seq, "heads": heads, "times_ms": {},
+           "peak_gib": {}, "overhead_pct": {}, "errors": {}}
+    kinds = ["residual", "mhc_ours", "mhc_ours_recompute", "mhc_tilekernels", "mhc_compiled"]
+    for kind in kinds:
+        if kind == "mhc_tilekernels" and "tilekernels" in skip or kind == "mhc_compiled" and "compile" in skip:
+            continue
+        try:
+            torch.manual_seed(0)
+            connection = {"mhc_ours_recompute": "mhc_ours", "mhc_compiled": "mhc_reference"}.get(kind, kind)
+            block = _Block(width, heads, connection).cuda()
+            shape = (batch, seq, width) if kind == "residual" else (batch, seq, N, width)
+            h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            fn = block
+            if kind == "mhc_compiled":
+                fn = torch.compile(block)
+            if kind == "mhc_ours_recompute":
+                import functools
+
+                from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+                from mhc_lab.ops.training import recompute_policy
+
+                context = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
+
+                def fn(h, block=block):
+                    return checkpoint(block, h, use_reentrant=False, context_fn=context)
+
+            def step(fn=fn, h=h, g=g):
+                fn(h).backward(g)
+
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            out["peak_gib"][kind] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            out["times_ms"][kind] = bench(step, warmup_ms=100, rep_ms=500) * 1e3
+            log(f"  block C={width} {kind:20s} {out['times_ms'][kind]:8.2f} ms  peak {out['peak_gib'][kind]:.2f} GiB")
+            del block, h, g
+        except Exception as e:  # noqa: BLE001
+            out["errors"][kind] = repr(e)[:500]
+            log(f"  block C={width} {kind:20s} FAILED {repr(e)[:300]}")
+        torch.cuda.empty_cache()
+    plain = out["times_ms"].get("residual")
+    if plain:
+        for kind, ms in out["times_ms"].items():
+            if kind != "residual":
+                out["overhead_pct"][kind] = 100 * (ms / plain - 1)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="site,block", help="comma-separated: site,block")
+    parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
+    parser.add_argument("--widths", default=",".join(str(c) for c in BLOCK_WIDTHS), help="block widths C")
+    parser.add_argument("--skip", default="", help="comma-separated baselines to skip: eager,compile,tilekernels")
+    parser.add_argument("--name", default="training_h200", help="recording name (mhc_lab/recorded/NAME.json)")
+    parser.add_argument("--out", "--out-dir", dest="out_dir", default=None, help="write the JSON here instead")
+    parser.add_argument("--no-save", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench training needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/training_h200.json")
+        return 1
+    parts = {p for p in args.parts.split(",") if p}
+    skip = {s for s in args.skip.split(",") if s}
+    bench, timer_name = _timer()
+    t0 = time.time()
+    results = {"timer": timer_name, "n": N, "dtype": "bfloat16", "sinkhorn_iterations": 20, "post_mult": 2.0,
+               "copy_gbps": copy_bandwidth(bench), "site": [], "block": []}
+    print(f"copy {results['copy_gbps']:.0f} GB/s")
+
+    def save(final=False):
+        if not args.no_save:
+            return save_recording(args.name, {**results, "partial": not final}, directory=args.out_dir)
+
+    if "site" in parts:
+        for s in args.shapes.split(","):
+            tokens, C = (int(v) for v in s.split("x"))
+            r = bench_site(tokens, C, bench, skip=skip)
+            if "ours" in r["times_ms"]:
+                ms = r["times_ms"]["ours"]
+                r["ours_gbps"] = r["bytes"]["ours"] / (ms * 1e-3) / 1e9
+                r["least_bytes_pct_of_copy"] = 100 * r["bytes"]["least"] / (ms * 1e-3) / 1e9 / results["copy_gbps"]
+            results["site"].append(r)
+            save()
+            torch.cuda.empty_cache()
+    if "block" in parts:
+        for w in args.widths.split(","):
+            results["block"].append(bench_block(int(w), bench, skip=skip))
+            save()
+    results["wall_s"] = round(time.time() - t0, 1)
+    path = save(final=True)
+    if path:
+        print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
