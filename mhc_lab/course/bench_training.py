@@ -130,6 +130,47 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
     }
 
 
+def sweep_pre_backward(tokens, C, bench, variants, log=print) -> dict:
+    """Time the pre backward's two kernels alone: kernel 1 once, kernel 2 for each tuning variant
+    ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products"}), each checked
+    against the default variant's output."""
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, pre_backward_kernels
+
+    x, phi, bias, alpha = _inputs(tokens, C, seed=2)
+    ops = torch.ops.mhc_lab
+    y, post, res, pre, partial = ops.pre_forward(x, phi, bias, alpha, "kernels")
+    dy = torch.randn_like(y)
+    n, m = N, N * N + 2 * N
+    f32 = dict(dtype=torch.float32, device="cuda")
+    dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
+    coefficients, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0])
+    args1 = (x, dy, partial, bias, alpha, post, res, dpre, dlogit, dmix, extra)
+    out = {"tokens": tokens, "C": C, "coefficients_ms": bench(lambda: coefficients(*args1)) * 1e3, "lanes": []}
+    log(f"  pre backward {tokens}x{C}: kernel 1 {out['coefficients_ms']:.3f} ms")
+    reference = None
+    for cfg in variants:
+        row = dict(cfg)
+        try:
+            splits = cfg.get("lane_splits", 1)
+            _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0], **cfg)
+            dx = torch.empty_like(x)
+            dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
+            lanes(x, dy, pre, dmix, extra, phi, dx, dphi_partial)
+            dphi = dphi_from_partial(dphi_partial, n)
+            if reference is None:
+                reference = (dx.clone(), dphi.clone())
+            row["rel_dx"], row["rel_dphi"] = _rel(dx, reference[0]), _rel(dphi, reference[1])
+            row["ms"] = bench(lambda: lanes(x, dy, pre, dmix, extra, phi, dx, dphi_partial)) * 1e3
+            row["gbps_9C"] = tokens * 9 * C * 2 / (row["ms"] * 1e-3) / 1e9
+            log(f"    {cfg}: {row['ms']:.3f} ms, {row['gbps_9C']:.0f} GB/s on 9C, "
+                f"vs first: dx {row['rel_dx']:.1e} dphi {row['rel_dphi']:.1e}")
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:400]
+            log(f"    {cfg}: FAILED {repr(e)[:300]}")
+        out["lanes"].append(row)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # block
 
@@ -235,13 +276,15 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="site,block", help="comma-separated: site,block")
+    parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
     parser.add_argument("--widths", default=",".join(str(c) for c in BLOCK_WIDTHS), help="block widths C")
     parser.add_argument("--skip", default="", help="comma-separated baselines to skip: eager,compile,tilekernels")
     parser.add_argument("--name", default="training_h200", help="recording name (mhc_lab/recorded/NAME.json)")
     parser.add_argument("--out", "--out-dir", dest="out_dir", default=None, help="write the JSON here instead")
     parser.add_argument("--no-save", action="store_true", help="print only")
+    parser.add_argument("--sweep", default="", help="JSON [tuning dicts] of the pre backward's kernel 2, timed "
+                        "alone at each site shape (part 'sweep')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench training needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/training_h200.json")
@@ -269,6 +312,14 @@ def main(argv=None) -> int:
             results["site"].append(r)
             save()
             torch.cuda.empty_cache()
+    if "sweep" in parts:
+        import json
+
+        results["sweeps"] = []
+        for s in args.shapes.split(","):
+            tokens, C = (int(v) for v in s.split("x"))
+            results["sweeps"].append(sweep_pre_backward(tokens, C, bench, json.loads(args.sweep or "[{}]")))
+            save()
     if "block" in parts:
         for w in args.widths.split(","):
             results["block"].append(bench_block(int(w), bench, skip=skip))

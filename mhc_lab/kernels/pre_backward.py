@@ -183,10 +183,16 @@ def gemm_depth(n: int) -> int:
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                accumulate: bool = False, splits: int = 1, block_tokens: int = 64,
-                               block_c: int = 64, stages: int = 2, threads: int = 128):
+                               block_c: int | None = None, lane_group: int | None = None, stages: int = 1,
+                               dx_products: int = 3, threads: int = 128):
     """Kernel 2. Arguments: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32, extra [T, 4] f32,
     phi [n^2+2n, nC] f32, then (if accumulate) dx_in [T, n, C], then the outputs dx [T, n, C] and
-    dphi_partial [splits, n^2+2n, nC] f32 (sum it over the first axis for dphi)."""
+    dphi_partial: [1, n^2+2n, nC] f32 on the C target (dphi itself); on CUDA [splits, 2 gemm_depth(n), nC]
+    (dphi_from_partial turns it into dphi).
+
+    CUDA tuning: lane_group lanes per CTA (default lane_tiling(n), which also picks block_c), token tiles of
+    block_tokens, stages > 1 pipelines the token loop, dx_products 3 (dmix and phi both split into bf16
+    hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx)."""
     t = _check("pre backward (lanes)", n, C, dtype, target)
     M = mixes_width(n)
     K = n * C
@@ -244,72 +250,82 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
     KH = gemm_depth(n)
     K2 = 2 * KH
-    BT, BC = block_tokens, block_c
+    BT = block_tokens
+    LG = lane_group or lane_tiling(n)[0]
+    BC = block_c or lane_tiling(n)[1]
+    if n % LG:
+        raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
+    group = list(range(LG))
+    loop = (lambda count: T.Pipelined(count, num_stages=stages)) if stages > 1 else T.serial
 
     @T.macro
     def body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial):
-        with T.Kernel(T.ceildiv(C, BC), S, threads=threads) as (bc, s):
-            phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in lanes]
-            a_hh = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
+        with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
+            phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]
+            a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi] (or [dmix_hi | 0], one product)
             a_l0 = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_lo | 0]
             a_hl = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_lo]
-            xs = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
+            xs = [T.alloc_shared((BT, BC), dtype) for _ in group]
             dys = T.alloc_shared((BT, BC), dtype)
-            coef = T.alloc_shared((BT, n + 1), "float32")  # H_pre per lane, then 2 ds
+            coef = T.alloc_shared((BT, LG + 1), "float32")  # H_pre of this CTA's lanes, then 2 ds
             acc = T.alloc_fragment((BT, BC), "float32")
             dxf = T.alloc_fragment((BT, BC), dtype)
-            acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in lanes]
-            phi_out = T.alloc_shared((K2, BC), "float32")
+            acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
             c0 = bc * BC
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
-            for j in lanes:
+            for jj in group:
                 # this CTA's columns of phi, split into bf16 hi (rows 0..KH) and lo (rows KH..2KH) once
+                j = lg * LG + jj
                 for k, c in T.Parallel(K2, BC):
                     q = k % KH
                     v = T.if_then_else((q < M) & (c0 + c < C), phi[q % M, j * C + T.min(c0 + c, C - 1)],
                                        T.float32(0))
                     hi = T.cast(v, "bfloat16")
-                    phi_s[j][k, c] = T.if_then_else(k < KH, hi, T.cast(v - T.cast(hi, "float32"), "bfloat16"))
-                T.clear(acc_phi[j])
-            for tb in T.serial(tiles):
+                    phi_s[jj][k, c] = T.if_then_else(k < KH, hi, T.cast(v - T.cast(hi, "float32"), "bfloat16"))
+                T.clear(acc_phi[jj])
+            for tb in loop(tiles):
                 t0 = (s * tiles + tb) * BT
                 for tt, k in T.Parallel(BT, K2):
                     q = k % KH
                     d = T.if_then_else((q < M) & (t0 + tt < NT), dmix[T.min(t0 + tt, NT - 1), q % M], T.float32(0))
                     dh = T.cast(d, "bfloat16")
                     dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
-                    a_hh[tt, k] = dh
-                    a_l0[tt, k] = T.if_then_else(k < KH, dl, T.cast(0, "bfloat16"))
+                    zero = T.cast(0, "bfloat16")
+                    a_dx[tt, k] = T.if_then_else(k < KH, dh, dh if dx_products == 3 else zero)
+                    if dx_products == 3:
+                        a_l0[tt, k] = T.if_then_else(k < KH, dl, zero)
                     a_hl[tt, k] = T.if_then_else(k < KH, dh, dl)
-                for tt, j in T.Parallel(BT, n + 1):
+                for tt, jj in T.Parallel(BT, LG + 1):
                     tok = T.min(t0 + tt, NT - 1)
-                    coef[tt, j] = T.if_then_else(
+                    coef[tt, jj] = T.if_then_else(
                         t0 + tt < NT,
-                        T.if_then_else(j < n, pre[tok, j % n], T.float32(2) * extra[tok, 3]),
+                        T.if_then_else(jj < LG, pre[tok, T.min(lg * LG + jj, n - 1)], T.float32(2) * extra[tok, 3]),
                         T.float32(0),
                     )
-                for j in lanes:
-                    T.copy(x[t0 : t0 + BT, j, c0 : c0 + BC], xs[j])
+                for jj in group:
+                    T.copy(x[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], xs[jj])
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
-                for j in lanes:
+                for jj in group:
+                    j = lg * LG + jj
                     T.clear(acc)
-                    T.gemm(a_hh, phi_s[j], acc)
-                    T.gemm(a_l0, phi_s[j], acc)
+                    T.gemm(a_dx, phi_s[jj], acc)
+                    if dx_products == 3:
+                        T.gemm(a_l0, phi_s[jj], acc)
                     for tt, c in T.Parallel(BT, BC):
-                        v = (acc[tt, c] + coef[tt, j] * T.cast(dys[tt, c], "float32")
-                             + coef[tt, n] * T.cast(xs[j][tt, c], "float32"))
+                        v = (acc[tt, c] + coef[tt, jj] * T.cast(dys[tt, c], "float32")
+                             + coef[tt, LG] * T.cast(xs[jj][tt, c], "float32"))
                         if dx_in is not None:
                             tok = T.min(t0 + tt, NT - 1)
                             col = T.min(c0 + c, C - 1)
                             v = v + T.cast(dx_in[tok, j, col], "float32")
                         dxf[tt, c] = T.cast(v, dtype)
                     T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
-                    T.gemm(a_hl, xs[j], acc_phi[j], transpose_A=True)
-            for j in lanes:
-                T.copy(acc_phi[j], phi_out)
-                for q, c in T.Parallel(M, BC):
+                    T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
+            for jj in group:
+                j = lg * LG + jj
+                for k, c in T.Parallel(K2, BC):
                     if c0 + c < C:
-                        dphi_partial[s, q, j * C + c0 + c] = phi_out[q, c] + phi_out[KH + q, c]
+                        dphi_partial[s, k, j * C + c0 + c] = acc_phi[jj][k, c]
 
     if accumulate:
 
@@ -318,7 +334,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
             dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
             phi: T.Tensor((M, K), "float32"), dx_in: T.Tensor((NT, n, C), dtype),
-            dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, M, K), "float32"),
+            dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
         ):
             body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial)
 
@@ -329,22 +345,45 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
         dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
         phi: T.Tensor((M, K), "float32"),
-        dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, M, K), "float32"),
+        dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
     ):
         body(x, dy, pre, dmix, extra, phi, None, dx, dphi_partial)
 
     return lanes_backward_cuda
 
 
+def lane_tiling(n: int) -> tuple[int, int]:
+    """(lanes per CTA, columns per CTA) of kernel 2 on CUDA: the most lanes (a divisor of n, at most 4) and
+    columns (64 or 32) whose dphi accumulators, lanes x 2 gemm_depth(n) x columns float32, stay within 128
+    registers per thread of a 128-thread CTA."""
+    k2 = 2 * gemm_depth(n)
+    for lanes in (4, 3, 2, 1):
+        if n % lanes:
+            continue
+        for columns in (64, 32):
+            if lanes * k2 * columns <= 128 * 128:
+                return lanes, columns
+    return 1, 32
+
+
+def dphi_from_partial(partial, n: int):
+    """dphi [n^2+2n, nC] from kernel 2's CUDA output [splits, 2 gemm_depth(n), nC] (rows: the dmix_hi part,
+    then the dmix_lo part, each padded): sum over splits and halves, in a fixed order."""
+    M, KH = mixes_width(n), gemm_depth(n)
+    total = partial.sum(0)
+    return total[:M] + total[KH : KH + M]
+
+
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          accumulate: bool = False, lane_splits: int = 1, block_tokens: int = 64,
-                         block_c: int = 64, stages: int = 2):
+                         block_c: int | None = None, lane_group: int | None = None, stages: int = 1,
+                         dx_products: int = 3):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial)."""
     t = canonical_target(target)
     coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
-    lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "block_c": block_c,
-                                   "stages": stages}
+    lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
+                                   "block_c": block_c, "stages": stages, "dx_products": dx_products}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, accumulate=accumulate, **lanes_kw), t)
     return coefficients, lanes

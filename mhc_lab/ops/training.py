@@ -102,11 +102,17 @@ def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
 
 
-def _lane_splits(C: int, device: torch.device) -> int:
-    """Token splits of the pre backward's lane kernel: about one CTA per SM (64 columns per CTA)."""
+LANE_CTAS_PER_SM = 2  # the pre backward's lane kernel: CTAs wanted per SM (tuned on the H200)
+
+
+def _lane_splits(n: int, C: int, device: torch.device) -> int:
+    """Token splits of the pre backward's lane kernel: about LANE_CTAS_PER_SM CTAs per SM."""
+    from mhc_lab.kernels.pre_backward import lane_tiling
+
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    blocks = -(-C // 64)
-    return max(1, min(16, round(sms / blocks)))
+    lanes, columns = lane_tiling(n)
+    blocks = -(-C // columns) * (n // lanes)
+    return max(1, min(32, round(LANE_CTAS_PER_SM * sms / blocks)))
 
 
 @torch.library.custom_op("mhc_lab::pre_forward", mutates_args=())
@@ -181,15 +187,20 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
     from mhc_lab.kernels.pre_backward import pre_backward_kernels
 
     if x.device.type == "cuda":
-        splits = _lane_splits(C, x.device)
+        from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth
+
+        splits = _lane_splits(n, C, x.device)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                                    lane_splits=splits)
-        dphi_partial = torch.empty((splits, m, n * C), **f32)
+        dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
         if tokens:
             with torch.cuda.device(x.device):
                 xc, dyc = x.contiguous(), dy.contiguous()
                 coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
                 lanes(xc, dyc, pre.contiguous(), dmix, extra, phi32, dx, dphi_partial)
+        else:
+            dphi_partial.zero_()
+        dphi = dphi_from_partial(dphi_partial, n)
     else:
         coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0])
         dphi_partial = torch.empty((1, m, n * C), **f32)
@@ -200,10 +211,10 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
             lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, dx32, dphi_partial)
             if dx32 is not dx:
                 dx.copy_(dx32)
-    if not tokens:
-        dphi_partial.zero_()
-        dlogit, extra = dlogit.new_zeros((0, m)), extra.new_zeros((0, 4))
-    return (dx, dphi_partial.sum(0).to(phi.dtype), dlogit.sum(0).to(bias.dtype), extra[:, :3].sum(0).to(alpha.dtype))
+        else:
+            dphi_partial.zero_()
+        dphi = dphi_partial.sum(0)
+    return (dx, dphi.to(phi.dtype), dlogit.sum(0).to(bias.dtype), extra[:, :3].sum(0).to(alpha.dtype))
 
 
 @pre_backward.register_fake
