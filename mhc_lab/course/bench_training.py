@@ -27,6 +27,7 @@ from torch import nn
 
 from mhc_lab.course.bench_forward import _inputs, _rel, _tilekernels, _timer, copy_bandwidth
 from mhc_lab.course.measure import save_recording
+from mhc_lab.ops import training as _training_ops  # noqa: F401  (registers torch.ops.mhc_lab.*)
 from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
 
 SHAPES = ((16384, 2560), (16384, 4096), (8192, 7168))

@@ -381,13 +381,13 @@ def recompute_sweep(blocks: Sequence, *, n: int = 4, width: int = 64, layers: in
     unit = tokens * width * 4  # one float32 C-wide vector per token
     for block in ["residual", *blocks]:
         if block == "residual":
-            model = _ResidualStack(mlp_stack(width, layers, seed)).to(device)
+            model = _ResidualStack(mlp_stack(width, layers, seed))
         else:
-            model = MHCStream(mlp_stack(width, layers, seed), n, width, backend=backend,
-                              recompute_block=block).to(device)
+            model = MHCStream(mlp_stack(width, layers, seed), n, width, backend=backend, recompute_block=block)
             with torch.no_grad():  # coefficients that depend on the lanes, as after some training
                 for site in model.connections:
                     site.phi.normal_(0, 0.02, generator=torch.Generator().manual_seed(seed + 1))
+        model.to(device)
 
         def forward(model=model):
             return model(h).square().mean()
@@ -528,8 +528,8 @@ BLOCK_IMPLEMENTATIONS = {"residual": "plain residual", "mhc_ours": "mHC, ours",
                          "mhc_compiled": "mHC, torch.compile"}
 
 
-def _ms(value) -> str:
-    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
+def _ms(value, unit: str = "") -> str:
+    return f"{value:.2f}{unit}" if isinstance(value, (int, float)) else "-"
 
 
 def site_table(results: dict) -> str:
@@ -550,7 +550,7 @@ def site_table(results: dict) -> str:
         fraction = (f"{least / (ours * 1e-3) / 1e9 / copy:.0%} of copy"
                     if isinstance(ours, (int, float)) and ours > 0 and least and copy else "-")
         lines.append(f"{r.get('tokens', '?'):>7}{r.get('C', '?'):>6}{r.get('n', 4):>3}"
-                     + "".join(f"{_ms(times.get(k)) + ' ms':>17}" for k in SITE_IMPLEMENTATIONS)
+                     + "".join(f"{_ms(times.get(k), ' ms'):>17}" for k in SITE_IMPLEMENTATIONS)
                      + f"{(f'{ratio:.2f}x' if isinstance(ratio, (int, float)) else '-'):>12}{fraction:>15}")
     return "\n".join(lines)
 
@@ -572,7 +572,7 @@ def block_table(results: dict) -> str:
                 o = (times[key] / times["residual"] - 1) * 100
             o_text = f"{o:+.1f}%" if isinstance(o, (int, float)) else ""
             p_text = f"{peak[key]:.2f} GiB" if isinstance(peak.get(key), (int, float)) else "-"
-            lines.append(f"  {label:<26}{_ms(times.get(key)):>9} ms  {o_text:>8}   peak {p_text}")
+            lines.append(f"  {label:<26}{_ms(times.get(key), ' ms'):>12}  {o_text:>8}   peak {p_text}")
     return "\n".join(lines)
 
 
