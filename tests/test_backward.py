@@ -159,7 +159,7 @@ def test_pre_backward_builds_for_sm90(n, C, accumulate, splits):
 
     coefficients = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=splits),
                                    "sm_90")
-    assert "warp_reduce_sum" in coefficients.get_kernel_source()
+    assert "float inv[" in coefficients.get_kernel_source()  # Sinkhorn's reciprocals stay on chip
     lanes = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", accumulate=accumulate,
                                                        splits=2), "sm_90")
     assert "wgmma" in lanes.get_kernel_source()  # the dmix phi and dphi products run on tensor cores
@@ -313,8 +313,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA backward
 
 
 @needs_cuda
-@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 7), (4, 2560, 1), (2, 40, 33), (8, 8, 65),
-                                        (1, 1000, 129)])
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
     x = x.to(torch.bfloat16)

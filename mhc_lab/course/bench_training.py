@@ -135,7 +135,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print) -> dict:
     """Time the pre backward's two kernels alone: kernel 1 once, kernel 2 for each tuning variant
     ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products"}), each checked
     against the default variant's output."""
-    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, pre_backward_kernels
+    from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
 
     x, phi, bias, alpha = _inputs(tokens, C, seed=2)
     ops = torch.ops.mhc_lab
@@ -145,7 +145,10 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print) -> dict:
     f32 = dict(dtype=torch.float32, device="cuda")
     dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
     coefficients, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0])
-    args1 = (x, dy, partial, bias, alpha, post, res, dpre, dlogit, dmix, extra)
+    dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device="cuda")
+    coef = torch.empty((tokens, coef_width(n)), **f32)
+    args1 = (x, dy, partial, bias, alpha, post, res, pre, dpre, dlogit, dmix, extra, dsplit, coef)
+    coefficients(*args1)
     out = {"tokens": tokens, "C": C, "coefficients_ms": bench(lambda: coefficients(*args1)) * 1e3, "lanes": []}
     log(f"  pre backward {tokens}x{C}: kernel 1 {out['coefficients_ms']:.3f} ms")
     reference = None
@@ -156,12 +159,12 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print) -> dict:
             _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0], **cfg)
             dx = torch.empty_like(x)
             dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
-            lanes(x, dy, pre, dmix, extra, phi, dx, dphi_partial)
+            lanes(x, dy, dsplit, coef, phi, dx, dphi_partial)
             dphi = dphi_from_partial(dphi_partial, n)
             if reference is None:
                 reference = (dx.clone(), dphi.clone())
             row["rel_dx"], row["rel_dphi"] = _rel(dx, reference[0]), _rel(dphi, reference[1])
-            row["ms"] = bench(lambda: lanes(x, dy, pre, dmix, extra, phi, dx, dphi_partial)) * 1e3
+            row["ms"] = bench(lambda: lanes(x, dy, dsplit, coef, phi, dx, dphi_partial)) * 1e3
             row["gbps_9C"] = tokens * 9 * C * 2 / (row["ms"] * 1e-3) / 1e9
             log(f"    {cfg}: {row['ms']:.3f} ms, {row['gbps_9C']:.0f} GB/s on 9C, "
                 f"vs first: dx {row['rel_dx']:.1e} dphi {row['rel_dphi']:.1e}")

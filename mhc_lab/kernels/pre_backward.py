@@ -45,10 +45,13 @@ def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
 
 
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                                      splits: int = 1, iterations: int = 20, threads: int = 256):
+                                      splits: int = 1, iterations: int = 20, threads: int = 256,
+                                      block_tokens: int = 16, block_c: int = 256, stages: int = 2):
     """Kernel 1. Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw
-    projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32;
-    outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all f32)."""
+    projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32,
+    (CUDA only: pre [T, n] f32); outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4]
+    (all f32), and on CUDA kernel 2's operands: dsplit [T, 3, 2 gemm_depth(n)] bf16 (dmix split into bf16
+    hi and lo, laid out for the three products) and coef [T, coef_width(n)] f32 (H_pre, then 2 ds)."""
     t = _check("pre backward (coefficients)", n, C, dtype, target)
     M = mixes_width(n)
     NT = T.dynamic("T")
@@ -116,10 +119,11 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
 
         return coefficients_backward_c
 
-    V = vector_width(C, dtype)
-    WARPS = threads // 32
-    STEP = 32 * V
-    NS = (C + STEP - 1) // STEP
+    KH = gemm_depth(n)
+    K2 = 2 * KH
+    CP = coef_width(n)
+    BT, BC = block_tokens, min(block_c, round_up(C, 64))
+    NC = (C + BC - 1) // BC
 
     @T.prim_func
     def coefficients_backward_cuda(
@@ -130,14 +134,20 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
         alpha: T.Tensor((3,), "float32"),
         dpost: T.Tensor((NT, n), "float32"),
         dres: T.Tensor((NT, n, n), "float32"),
+        pre: T.Tensor((NT, n), "float32"),
         dpre: T.Tensor((NT, n), "float32"),
         dlogit: T.Tensor((NT, M), "float32"),
         dmix: T.Tensor((NT, M), "float32"),
         extra: T.Tensor((NT, EXTRA), "float32"),
+        dsplit: T.Tensor((NT, 3, K2), "bfloat16"),
+        coef: T.Tensor((NT, CP), "float32"),
     ):
-        with T.Kernel(T.ceildiv(NT, WARPS), threads=threads) as b:
-            xv = T.alloc_local((n, V), dtype)
-            dv = T.alloc_local((V,), dtype)
+        with T.Kernel(T.ceildiv(NT, BT), threads=threads) as b:
+            xs = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
+            dys = T.alloc_shared((BT, BC), dtype)
+            acc = [T.alloc_fragment((BT, BC), "float32") for _ in lanes]
+            sums = [T.alloc_fragment((BT,), "float32") for _ in lanes]
+            dpre_s = T.alloc_shared((BT, n), "float32")
             mix = T.alloc_local((M + 1,), "float32")
             dpre_l = T.alloc_local((n,), "float32")
             dpost_l = T.alloc_local((n,), "float32")
@@ -148,31 +158,56 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             dlogit_l = T.alloc_local((M,), "float32")
             dmix_l = T.alloc_local((M,), "float32")
             extra_l = T.alloc_local((EXTRA,), "float32")
+            t0 = b * BT
+            # phase 1, the whole CTA: dH_pre[t, j] = sum_c dy[t, c] x[t, j, c], streamed in [BT x BC] tiles
+            for j in lanes:
+                T.clear(acc[j])
+            for cb in T.Pipelined(NC, num_stages=stages):
+                for j in lanes:
+                    T.copy(x[t0 : t0 + BT, j, cb * BC : cb * BC + BC], xs[j])
+                T.copy(dy[t0 : t0 + BT, cb * BC : cb * BC + BC], dys)
+                for tt, c in T.Parallel(BT, BC):
+                    d = T.cast(dys[tt, c], "float32")
+                    for j in lanes:
+                        acc[j][tt, c] += d * T.cast(xs[j][tt, c], "float32")
+            for j in lanes:
+                T.reduce_sum(acc[j], sums[j], dim=1)
+            for tt in T.Parallel(BT):
+                for j in lanes:
+                    dpre_s[tt, j] = sums[j][tt]
+            T.sync_threads()
+            # phase 2, one thread per token: the coefficient backward, then kernel 2's operands
             tx = T.get_thread_binding()
-            lane = tx % 32
-            tok = b * WARPS + tx // 32
-            if tok < NT:
-                for j in T.unroll(n):
-                    dpre_l[j] = T.float32(0)
-                for s in T.serial(NS):
-                    c0 = s * STEP + lane * V
-                    if c0 < C:
-                        for j in T.unroll(n):
-                            for v in T.vectorized(V):
-                                xv[j, v] = x[tok, j, c0 + v]
-                        for v in T.vectorized(V):
-                            dv[v] = dy[tok, c0 + v]
-                        for v in T.unroll(V):
-                            d = T.cast(dv[v], "float32")
-                            for j in lanes:
-                                dpre_l[j] += d * T.cast(xv[j, v], "float32")
-                for j in T.unroll(n):
-                    dpre_l[j] = T.warp_reduce_sum(dpre_l[j])
-                if lane == 0:
-                    per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
-                              dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
+            if tx < BT:
+                tok = t0 + tx
+                if tok < NT:
+                    for j in T.unroll(n):
+                        dpre_l[j] = dpre_s[tx, j]
+                    per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb,
+                              inv, dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
+                    for k in T.serial(K2):
+                        q = k % KH
+                        d = T.if_then_else(q < M, dmix_l[T.min(q, M - 1)], T.float32(0))
+                        dh = T.cast(d, "bfloat16")
+                        dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
+                        zero = T.cast(0, "bfloat16")
+                        dsplit[tok, 0, k] = dh  # [dmix_hi | dmix_hi]: hi.hi + hi.lo with phi [hi; lo]
+                        dsplit[tok, 1, k] = T.if_then_else(k < KH, dl, zero)  # [dmix_lo | 0]: lo.hi
+                        dsplit[tok, 2, k] = T.if_then_else(k < KH, dh, dl)  # [dmix_hi | dmix_lo]: for dphi
+                    for j in T.unroll(CP):
+                        if j < n:
+                            coef[tok, j] = pre[tok, T.min(j, n - 1)]
+                        elif j == n:
+                            coef[tok, j] = T.float32(2) * extra_l[3]
+                        else:
+                            coef[tok, j] = T.float32(0)
 
     return coefficients_backward_cuda
+
+
+def coef_width(n: int) -> int:
+    """Columns of kernel 1's per-token coef output on CUDA: H_pre per lane, 2 ds, padding to 16 bytes."""
+    return round_up(n + 1, 4)
 
 
 def gemm_depth(n: int) -> int:
@@ -183,12 +218,12 @@ def gemm_depth(n: int) -> int:
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                accumulate: bool = False, splits: int = 1, block_tokens: int = 64,
-                               block_c: int | None = None, lane_group: int | None = None, stages: int = 1,
+                               block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
                                dx_products: int = 3, threads: int = 128):
-    """Kernel 2. Arguments: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32, extra [T, 4] f32,
-    phi [n^2+2n, nC] f32, then (if accumulate) dx_in [T, n, C], then the outputs dx [T, n, C] and
-    dphi_partial: [1, n^2+2n, nC] f32 on the C target (dphi itself); on CUDA [splits, 2 gemm_depth(n), nC]
-    (dphi_from_partial turns it into dphi).
+    """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
+    extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
+    Then (if accumulate) dx_in [T, n, C], then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC]
+    f32 on the C target (dphi itself); on CUDA [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it).
 
     CUDA tuning: lane_group lanes per CTA (default lane_tiling(n), which also picks block_c), token tiles of
     block_tokens, stages > 1 pipelines the token loop, dx_products 3 (dmix and phi both split into bf16
@@ -256,18 +291,19 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     if n % LG:
         raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
     group = list(range(LG))
-    loop = (lambda count: T.Pipelined(count, num_stages=stages)) if stages > 1 else T.serial
+
+    CP = coef_width(n)
 
     @T.macro
-    def body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial):
+    def body(x, dy, dsplit, coef, phi, dx_in, dx, dphi_partial):
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
             phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]
-            a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi] (or [dmix_hi | 0], one product)
+            a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
             a_l0 = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_lo | 0]
             a_hl = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_lo]
             xs = [T.alloc_shared((BT, BC), dtype) for _ in group]
             dys = T.alloc_shared((BT, BC), dtype)
-            coef = T.alloc_shared((BT, LG + 1), "float32")  # H_pre of this CTA's lanes, then 2 ds
+            coef_s = T.alloc_shared((BT, CP), "float32")  # H_pre per lane, then 2 ds
             acc = T.alloc_fragment((BT, BC), "float32")
             dxf = T.alloc_fragment((BT, BC), dtype)
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
@@ -283,25 +319,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     hi = T.cast(v, "bfloat16")
                     phi_s[jj][k, c] = T.if_then_else(k < KH, hi, T.cast(v - T.cast(hi, "float32"), "bfloat16"))
                 T.clear(acc_phi[jj])
-            for tb in loop(tiles):
+            for tb in T.Pipelined(tiles, num_stages=stages):
                 t0 = (s * tiles + tb) * BT
-                for tt, k in T.Parallel(BT, K2):
-                    q = k % KH
-                    d = T.if_then_else((q < M) & (t0 + tt < NT), dmix[T.min(t0 + tt, NT - 1), q % M], T.float32(0))
-                    dh = T.cast(d, "bfloat16")
-                    dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
-                    zero = T.cast(0, "bfloat16")
-                    a_dx[tt, k] = T.if_then_else(k < KH, dh, dh if dx_products == 3 else zero)
-                    if dx_products == 3:
-                        a_l0[tt, k] = T.if_then_else(k < KH, dl, zero)
-                    a_hl[tt, k] = T.if_then_else(k < KH, dh, dl)
-                for tt, jj in T.Parallel(BT, LG + 1):
-                    tok = T.min(t0 + tt, NT - 1)
-                    coef[tt, jj] = T.if_then_else(
-                        t0 + tt < NT,
-                        T.if_then_else(jj < LG, pre[tok, T.min(lg * LG + jj, n - 1)], T.float32(2) * extra[tok, 3]),
-                        T.float32(0),
-                    )
+                # operands arrive by copies only (zero-filled past the last token), so the pipeline may
+                # prefetch the next tile while this one computes
+                T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
+                if dx_products == 3:
+                    T.copy(dsplit[t0 : t0 + BT, 1, 0:K2], a_l0)
+                T.copy(dsplit[t0 : t0 + BT, 2, 0:K2], a_hl)
+                T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
                 for jj in group:
                     T.copy(x[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], xs[jj])
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
@@ -312,8 +338,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     if dx_products == 3:
                         T.gemm(a_l0, phi_s[jj], acc)
                     for tt, c in T.Parallel(BT, BC):
-                        v = (acc[tt, c] + coef[tt, jj] * T.cast(dys[tt, c], "float32")
-                             + coef[tt, LG] * T.cast(xs[jj][tt, c], "float32"))
+                        v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
+                             + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
                         if dx_in is not None:
                             tok = T.min(t0 + tt, NT - 1)
                             col = T.min(c0 + c, C - 1)
@@ -331,23 +357,21 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
         @T.prim_func
         def lanes_backward_cuda_acc(
-            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
-            dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
-            phi: T.Tensor((M, K), "float32"), dx_in: T.Tensor((NT, n, C), dtype),
+            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), dsplit: T.Tensor((NT, 3, K2), "bfloat16"),
+            coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"), dx_in: T.Tensor((NT, n, C), dtype),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
         ):
-            body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial)
+            body(x, dy, dsplit, coef, phi, dx_in, dx, dphi_partial)
 
         return lanes_backward_cuda_acc
 
     @T.prim_func
     def lanes_backward_cuda(
-        x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
-        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
-        phi: T.Tensor((M, K), "float32"),
+        x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), dsplit: T.Tensor((NT, 3, K2), "bfloat16"),
+        coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"),
         dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
     ):
-        body(x, dy, pre, dmix, extra, phi, None, dx, dphi_partial)
+        body(x, dy, dsplit, coef, phi, None, dx, dphi_partial)
 
     return lanes_backward_cuda
 
@@ -377,7 +401,7 @@ def dphi_from_partial(partial, n: int):
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          accumulate: bool = False, lane_splits: int = 1, block_tokens: int = 64,
-                         block_c: int | None = None, lane_group: int | None = None, stages: int = 1,
+                         block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
                          dx_products: int = 3):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial)."""

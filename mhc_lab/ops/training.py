@@ -187,17 +187,20 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
     from mhc_lab.kernels.pre_backward import pre_backward_kernels
 
     if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth
+        from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth
 
         splits = _lane_splits(n, C, x.device)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                                    lane_splits=splits)
         dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
+        dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
+        coef = torch.empty((tokens, coef_width(n)), **f32)
         if tokens:
             with torch.cuda.device(x.device):
                 xc, dyc = x.contiguous(), dy.contiguous()
-                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
-                lanes(xc, dyc, pre.contiguous(), dmix, extra, phi32, dx, dphi_partial)
+                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit, dmix,
+                             extra, dsplit, coef)
+                lanes(xc, dyc, dsplit, coef, phi32, dx, dphi_partial)
         else:
             dphi_partial.zero_()
         dphi = dphi_from_partial(dphi_partial, n)
