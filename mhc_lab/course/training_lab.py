@@ -13,7 +13,6 @@ Everything here runs on the CPU; on a CUDA GPU the memory figures come from the 
 
 from __future__ import annotations
 
-import functools
 import gc
 import math
 from typing import Callable, Sequence
@@ -26,9 +25,8 @@ from torch.utils._pytree import tree_flatten
 
 from mhc_lab.course.measure import load_recording, synchronize, time_fn
 from mhc_lab.course.models import MLP, CausalSelfAttention
-from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes
 from mhc_lab.course.recompute import memory_without_recompute, optimal_block, recompute_memory
-from mhc_lab.ops.training import MHCResidualStream, recompute_policy as _library_policy
+from mhc_lab.ops.training import MHCResidualStream
 
 RECORDING = "training_h200"
 
@@ -219,40 +217,13 @@ def activation_memory(model: nn.Module, forward: Callable[[], torch.Tensor], inp
 # ---- recomputation in blocks (selective activation checkpointing) --------------------------------------------
 
 
-def recompute_policy(ctx, op, *args, **kwargs):
-    """Recompute the mHC ops (the library's policy, mhc_lab.ops.training.recompute_policy) and views: a view
-    kept for the backward keeps its base's storage alive, and the ops' outputs are viewed on their way out, so
-    keeping the views would keep every lane the policy meant to drop. Everything else is kept."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if getattr(op, "is_view", False):
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return _library_policy(ctx, op, *args, **kwargs)
-
-
-class MHCStream(MHCResidualStream):
-    """MHCResidualStream whose recompute blocks use :func:`recompute_policy` (same parameters, same results)."""
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        block = self.recompute_block
-        if block is None or not torch.is_grad_enabled():
-            return super().forward(h)
-        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-        context = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
-        x = expand_lanes(h, self.n)
-        for start in range(0, len(self.layers), block):
-            x = checkpoint(self._run, x, start, min(start + block, len(self.layers)), use_reentrant=False,
-                           context_fn=context)
-        return collapse_lanes(x)
-
-
 # ---- the layers and models the lab trains ------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
     """RMSNorm written without in-place operations (torch.nn.RMSNorm adds eps in place on the CPU), so that
-    selective activation checkpointing may keep its intermediate results."""
+    selective activation checkpointing may keep its intermediate results (mhc_lab.ops.training.recompute_policy
+    refuses layers that modify a kept tensor in place)."""
 
     def __init__(self, width: int, eps: float = 1e-6):
         super().__init__()
@@ -287,7 +258,7 @@ def mlp_stack(width: int, layers: int, seed: int = 0) -> list[nn.Module]:
 class StreamLM(nn.Module):
     """A byte-level transformer whose 2 * depth sub-layers (attention, MLP) are joined by a plain residual
     (connection="residual") or by mHC lanes on mhc_lab.ops.training.MHCResidualStream (connection="mhc",
-    with its backend and recompute_block; MHCStream here).
+    with its backend and recompute_block).
 
     The weights are created in the same order for both connections, so the same seed gives the same embedding,
     sub-layers and head; the mHC sites start near the identity (mhc_identity_init) and draw no random numbers.
@@ -312,7 +283,7 @@ class StreamLM(nn.Module):
         self.norm = RMSNorm(width)
         self.head = nn.Linear(width, vocab)
         if connection == "mhc":
-            self.stream = MHCStream(sublayers, n, width, backend=backend, recompute_block=recompute_block)
+            self.stream = MHCResidualStream(sublayers, n, width, backend=backend, recompute_block=recompute_block)
         else:
             self.sublayers = nn.ModuleList(sublayers)
 
@@ -372,7 +343,7 @@ class _ResidualStack(nn.Module):
 def recompute_sweep(blocks: Sequence, *, n: int = 4, width: int = 64, layers: int = 12, tokens: int = 256,
                     backend: str = "reference", device="cpu", repeat: int = 5, seed: int = 0) -> list[dict]:
     """Forward + backward of a stack of ``layers`` pre-norm MLP sub-layers, joined by a plain residual (first
-    row, block "residual") and by mHC lanes (MHCStream) for every recompute block size in ``blocks`` (None:
+    row, block "residual") and by mHC lanes (MHCResidualStream) for every recompute block size in ``blocks`` (None:
     keep everything). One row each: kept and peak bytes (activation_memory), the median time; for mHC also
     the part above the residual stack in C-wide float32 vectors per token, and Eq. 20's memory in units of C."""
     rows = []
@@ -383,7 +354,7 @@ def recompute_sweep(blocks: Sequence, *, n: int = 4, width: int = 64, layers: in
         if block == "residual":
             model = _ResidualStack(mlp_stack(width, layers, seed))
         else:
-            model = MHCStream(mlp_stack(width, layers, seed), n, width, backend=backend, recompute_block=block)
+            model = MHCResidualStream(mlp_stack(width, layers, seed), n, width, backend=backend, recompute_block=block)
             with torch.no_grad():  # coefficients that depend on the lanes, as after some training
                 for site in model.connections:
                     site.phi.normal_(0, 0.02, generator=torch.Generator().manual_seed(seed + 1))

@@ -115,7 +115,19 @@ def _lane_splits(n: int, C: int, device: torch.device) -> int:
     return max(1, min(32, round(LANE_CTAS_PER_SM * sms / blocks)))
 
 
+def _no_autocast(fn):
+    """Run an op's implementation with autocast off: the coefficients stay float32 inside torch.autocast."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 @torch.library.custom_op("mhc_lab::pre_forward", mutates_args=())
+@_no_autocast
 def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, n, C] -> (y [T, C], post [T, n], res [T, n, n], pre [T, n], partial [S, T, n^2+2n+1]).
@@ -170,6 +182,7 @@ def _(x, phi, bias, alpha, backend):
 
 
 @torch.library.custom_op("mhc_lab::pre_backward", mutates_args=())
+@_no_autocast
 def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
                  partial: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,6 +260,7 @@ pre_forward.register_autograd(_pre_backward, setup_context=_pre_setup_context)
 
 
 @torch.library.custom_op("mhc_lab::post_forward", mutates_args=())
+@_no_autocast
 def post_forward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, backend: str
                  ) -> torch.Tensor:
     """x [T, n, C], f [T, C], post [T, n], res [T, n, n] -> the next lanes [T, n, C]."""
@@ -263,6 +277,7 @@ def _(x, f, post, res, backend):
 
 
 @torch.library.custom_op("mhc_lab::post_backward", mutates_args=())
+@_no_autocast
 def post_backward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, g: torch.Tensor,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, df, dpost, dres) of post_forward, given the gradient g of the next lanes."""
@@ -370,11 +385,22 @@ class MHCConnection(nn.Module):
 
 
 def recompute_policy(ctx, op, *args, **kwargs):
-    """Selective checkpointing: recompute the mHC ops (torch.ops.mhc_lab.*) in backward, keep the rest."""
+    """Selective checkpointing: recompute the mHC ops (torch.ops.mhc_lab.*) and views in backward, keep the
+    rest. Views must be recomputed too: a kept view keeps its base alive, and the ops' outputs are viewed on
+    their way out, so keeping views would keep every lane. Layers inside a recompute block must not modify
+    their intermediate results in place (a kept tensor must not change before the backward): that is refused
+    here, with the op named."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    namespace = getattr(op, "namespace", None)
-    return CheckpointPolicy.PREFER_RECOMPUTE if namespace == "mhc_lab" else CheckpointPolicy.MUST_SAVE
+    if getattr(op, "namespace", None) == "mhc_lab" or getattr(op, "is_view", False):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute and op._schema.is_mutable:
+        raise InputError(
+            f"recompute_block: a layer modifies a tensor in place ({op}), which blocks that keep the layers' "
+            "results cannot allow; use layers without in-place operations (on the CPU torch.nn.RMSNorm adds "
+            "its eps in place; mhc_lab.course.training_lab.RMSNorm does not) or recompute_block=None"
+        )
+    return CheckpointPolicy.MUST_SAVE
 
 
 class MHCResidualStream(nn.Module):
