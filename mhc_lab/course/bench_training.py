@@ -201,6 +201,7 @@ class _Block(nn.Module):
 
             self.sites = nn.ModuleList(ManifoldHyperConnection(N, width) for _ in self.layers)
         if connection == "mhc_tilekernels":
+            _tilekernels()  # the tolerant first import of tile_kernels 1.0.0
             from tile_kernels.modeling.mhc import mhc_pre as tk_pre
             from tile_kernels.modeling.mhc.ops.post import mhc_post as tk_post
 

@@ -122,7 +122,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     KH = gemm_depth(n)
     K2 = 2 * KH
     CP = coef_width(n)
-    BT, BC = block_tokens, min(block_c, round_up(C, 64))
+    BT, BC = block_tokens, min(block_c, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
     NC = (C + BC - 1) // BC
 
     @T.prim_func
