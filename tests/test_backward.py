@@ -152,7 +152,8 @@ def test_post_backward_builds_for_sm90(n, C, dtype):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("n,C,accumulate,splits", [(4, 4096, False, 4), (2, 100, True, 1), (8, 24, False, 2)])
+@pytest.mark.parametrize("n,C,accumulate,splits", [(4, 4096, False, 4), (4, 136, False, 4), (2, 100, True, 1),
+                                                     (8, 24, False, 2)])
 def test_pre_backward_builds_for_sm90(n, C, accumulate, splits):
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program, pre_backward_lanes_program
