@@ -68,7 +68,7 @@ def _site_impls(skip):
     errors = {}
     if "tilekernels" not in skip:
         try:
-            tk_site_nograd = _tilekernels()  # noqa: F841 (imports and checks the package)
+            _tilekernels()  # the tolerant first import of tile_kernels 1.0.0
             from tile_kernels.modeling.mhc import mhc_pre as tk_pre
             from tile_kernels.modeling.mhc.ops.post import mhc_post as tk_post
 
@@ -131,10 +131,11 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
     }
 
 
-def sweep_pre_backward(tokens, C, bench, variants, log=print) -> dict:
-    """Time the pre backward's two kernels alone: kernel 1 once, kernel 2 for each tuning variant
-    ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products"}), each checked
-    against the default variant's output."""
+def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_variants=()) -> dict:
+    """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
+    ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages"}), kernel 2 for each tuning
+    variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products"}); every
+    variant's outputs are compared with the first's."""
     from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
 
     x, phi, bias, alpha = _inputs(tokens, C, seed=2)
@@ -149,8 +150,28 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print) -> dict:
     coef = torch.empty((tokens, coef_width(n)), **f32)
     args1 = (x, dy, partial, bias, alpha, post, res, pre, dpre, dlogit, dmix, extra, dsplit, coef)
     coefficients(*args1)
-    out = {"tokens": tokens, "C": C, "coefficients_ms": bench(lambda: coefficients(*args1)) * 1e3, "lanes": []}
+    out = {"tokens": tokens, "C": C, "coefficients_ms": bench(lambda: coefficients(*args1)) * 1e3, "lanes": [],
+           "coefficients": []}
     log(f"  pre backward {tokens}x{C}: kernel 1 {out['coefficients_ms']:.3f} ms")
+    first = [t.clone() for t in (dmix, dsplit, coef)]
+    for cfg in coefficient_variants:
+        row = dict(cfg)
+        try:
+            from mhc_lab.kernels._target import compile_program
+            from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
+
+            kernel = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "cuda",
+                                                                       splits=partial.shape[0], **cfg), "cuda")
+            kernel(*args1)
+            row["rel_dmix"] = _rel(dmix, first[0])
+            row["equal_operands"] = bool(torch.equal(dsplit, first[1]) and torch.equal(coef, first[2]))
+            row["ms"] = bench(lambda: kernel(*args1)) * 1e3
+            log(f"    kernel 1 {cfg}: {row['ms']:.3f} ms, dmix vs default {row['rel_dmix']:.1e}, "
+                f"operands equal {row['equal_operands']}")
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:400]
+            log(f"    kernel 1 {cfg}: FAILED {repr(e)[:300]}")
+        out["coefficients"].append(row)
     reference = None
     for cfg in variants:
         row = dict(cfg)
@@ -290,6 +311,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-save", action="store_true", help="print only")
     parser.add_argument("--sweep", default="", help="JSON [tuning dicts] of the pre backward's kernel 2, timed "
                         "alone at each site shape (part 'sweep')")
+    parser.add_argument("--sweep-coefficients", default="", help="JSON [tuning dicts] of the pre backward's "
+                        "kernel 1 (part 'sweep')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench training needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/training_h200.json")
@@ -323,7 +346,9 @@ def main(argv=None) -> int:
         results["sweeps"] = []
         for s in args.shapes.split(","):
             tokens, C = (int(v) for v in s.split("x"))
-            results["sweeps"].append(sweep_pre_backward(tokens, C, bench, json.loads(args.sweep or "[{}]")))
+            results["sweeps"].append(sweep_pre_backward(
+                tokens, C, bench, json.loads(args.sweep or "[{}]"),
+                coefficient_variants=json.loads(args.sweep_coefficients or "[]")))
             save()
     if "block" in parts:
         for w in args.widths.split(","):
