@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from mhc_lab.course import bytes_model, profiling, roofline
-from mhc_lab.course.measure import load_recording, resolve_device, save_recording, time_fn
+from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
+    load_recording, recording_label, resolve_device, save_recording, time_fn,
+)
 from mhc_lab.course.naive_layers import make_layer
 
 RECORDING = "memory_wall_h200"
@@ -199,14 +201,6 @@ def load_memory_wall(name: str = RECORDING, directory=None) -> dict | None:
         return load_recording(name, directory=directory)
     except FileNotFoundError:
         return None
-
-
-def recording_label(recording: dict) -> str:
-    """One line that says this is a recording, and of what: GPU, date, driver, versions."""
-    env = recording["environment"]
-    return (f"RECORDED on {env.get('gpu') or 'a CPU'} on {env.get('date')} (driver {env.get('driver')}, "
-            f"CUDA {env.get('cuda')}, torch {env.get('torch')}, tilelang {env.get('tilelang')}), "
-            f"not measured on this machine")
 
 
 def results_table(results: list[dict]) -> str:

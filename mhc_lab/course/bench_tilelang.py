@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from mhc_lab.course.measure import load_recording, resolve_device, save_recording, time_fn
+from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
+    recorded_or_none, recording_label, resolve_device, save_recording, time_fn,
+)
 from mhc_lab.kernels import elementwise, rmsnorm
 
 RECORDING = "tilelang_h200"
@@ -219,20 +221,9 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def recording_label(recording: dict) -> str:
-    """'RECORDED on <GPU>, <date>: torch ..., tilelang ..., CUDA ..., driver ...' for a loaded recording."""
-    env = recording.get("environment", {})
-    return (f"RECORDED on {env.get('gpu') or env.get('cpu') or 'an unknown device'}, {env.get('date', '?')}: "
-            f"torch {env.get('torch')}, tilelang {env.get('tilelang')}, CUDA {env.get('cuda')}, "
-            f"driver {env.get('driver')}")
-
-
 def load_recorded(name: str = RECORDING) -> dict | None:
-    """The recording of this benchmark, or None when none has been made yet."""
-    try:
-        return load_recording(name)
-    except FileNotFoundError:
-        return None
+    """This benchmark's recording, or None when there is none (yet)."""
+    return recorded_or_none(name)
 
 
 # ---- figures lab 05 draws --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import tilelang.language as T
 import torch
 
 from mhc_lab.course import bytes_model
-from mhc_lab.course.measure import load_recording
+from mhc_lab.course.measure import recorded_or_none, recording_label  # noqa: F401 (labs use recording_label)
 from mhc_lab.course.roofline import Roof
 from mhc_lab.kernels.post import post_bytes
 from mhc_lab.reference import MHCCoefficients, sinkhorn
@@ -202,19 +202,8 @@ def phi_traffic_figure(C: int, n: int = 4, split_tile: int = 256):
 
 
 def load_recorded(name: str = RECORDING) -> dict | None:
-    """The forward benchmark's recording, or None when there is none."""
-    try:
-        return load_recording(name)
-    except FileNotFoundError:
-        return None
-
-
-def recording_label(recording: dict) -> str:
-    """'RECORDED on <GPU>, <date>: ...' with the versions the recording was made with."""
-    env = recording.get("environment", {})
-    return (f"RECORDED on {env.get('gpu') or 'an unknown device'}, {env.get('date', '?')} (not this machine): "
-            f"torch {env.get('torch')}, TileLang {env.get('tilelang')}, Triton {env.get('triton')}, "
-            f"CUDA {env.get('cuda')}, driver {env.get('driver')}")
+    """This benchmark's recording, or None when there is none (yet)."""
+    return recorded_or_none(name)
 
 
 def recorded_roof(recording: dict) -> Roof:

@@ -128,3 +128,20 @@ def load_recording(name: str, *, directory: Path | str | None = None) -> dict:
         known = sorted(p.stem for p in directory.glob("*.json"))
         raise FileNotFoundError(f"no recording named {name!r} in {directory}; recorded: {known}")
     return json.loads(path.read_text())
+
+
+def recorded_or_none(name: str) -> dict | None:
+    """The recording ``name`` from mhc_lab/recorded/, or None when there is none (yet)."""
+    try:
+        return load_recording(name)
+    except FileNotFoundError:
+        return None
+
+
+def recording_label(recording: dict) -> str:
+    """'RECORDED on <GPU>, <date> (not this machine): <versions>': the line every replayed result carries."""
+    env = recording.get("environment") or {}
+    device = env.get("gpu") or env.get("cpu") or "an unknown device"
+    return (f"RECORDED on {device}, {env.get('date', '?')} (not this machine): torch {env.get('torch')}, "
+            f"TileLang {env.get('tilelang')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}, "
+            f"driver {env.get('driver')}")

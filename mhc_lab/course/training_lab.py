@@ -23,7 +23,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mhc_lab.course.measure import load_recording, synchronize, time_fn
+from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
+    recorded_or_none, recording_label, synchronize, time_fn,
+)
 from mhc_lab.course.models import MLP, CausalSelfAttention
 from mhc_lab.course.recompute import memory_without_recompute, optimal_block, recompute_memory
 from mhc_lab.ops.training import MHCResidualStream
@@ -477,19 +479,8 @@ def profile_table(profiles: dict, device_type: str) -> str:
 
 
 def load_recorded(name: str = RECORDING) -> dict | None:
-    """The training benchmark's recording, or None when there is none (yet)."""
-    try:
-        return load_recording(name)
-    except FileNotFoundError:
-        return None
-
-
-def recording_label(recording: dict) -> str:
-    """'RECORDED on <GPU>, <date> (not this machine): <versions>'."""
-    env = recording.get("environment") or {}
-    return (f"RECORDED on {env.get('gpu') or 'an unknown device'}, {env.get('date', '?')} (not this machine): "
-            f"torch {env.get('torch')}, TileLang {env.get('tilelang')}, Triton {env.get('triton')}, "
-            f"CUDA {env.get('cuda')}, driver {env.get('driver')}")
+    """This benchmark's recording, or None when there is none (yet)."""
+    return recorded_or_none(name)
 
 
 SITE_IMPLEMENTATIONS = {"ours": "ours (TileLang)", "tilekernels": "TileKernels", "compiled": "torch.compile",

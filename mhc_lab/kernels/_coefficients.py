@@ -22,6 +22,47 @@ def mixes_width(n: int) -> int:
     return n * n + 2 * n
 
 
+def _sinkhorn_macros(n: int, eps: float):
+    """The DeepSeek-V4 Sinkhorn's pieces on a thread-local comb [n * n] (row-major), shared by the forward
+    and the backward: the row softmax of the logits, a column step and a row step. A step divides by the
+    column (row) sums + eps; given an array ``inv`` it also keeps the n reciprocals at ``inv[step * n:]``."""
+    rows = list(range(n))
+
+    @T.macro
+    def softmax_rows(comb, a_res, mix, bias):
+        for q in T.unroll(n * n):
+            comb[q] = a_res * mix[2 * n + q] + bias[2 * n + q]
+        for i in T.unroll(n):
+            row_max = comb[i * n]
+            for j in rows[1:]:
+                row_max = T.max(row_max, comb[i * n + j])
+            for j in T.unroll(n):
+                comb[i * n + j] = T.exp(comb[i * n + j] - row_max)
+            total = T.float32(1.0) / sum([comb[i * n + j] for j in rows])
+            for j in T.unroll(n):
+                comb[i * n + j] = comb[i * n + j] * total
+
+    @T.macro
+    def column_step(comb, inv, step):
+        for j in T.unroll(n):
+            scale = T.float32(1.0) / (sum([comb[i * n + j] for i in rows]) + T.float32(eps))
+            if inv is not None:
+                inv[step * n + j] = scale
+            for i in T.unroll(n):
+                comb[i * n + j] = comb[i * n + j] * scale
+
+    @T.macro
+    def row_step(comb, inv, step):
+        for i in T.unroll(n):
+            scale = T.float32(1.0) / (sum([comb[i * n + j] for j in rows]) + T.float32(eps))
+            if inv is not None:
+                inv[step * n + i] = scale
+            for j in T.unroll(n):
+                comb[i * n + j] = comb[i * n + j] * scale
+
+    return softmax_rows, column_step, row_step
+
+
 def coefficient_macro(n: int, width: int, *, iterations: int = 20, eps: float = 1e-6, rms_eps: float = 1e-6):
     """A T.macro ``coefficients(mix, alpha, bias, pre, post, comb)`` over thread-local arrays.
 
@@ -30,7 +71,7 @@ def coefficient_macro(n: int, width: int, *, iterations: int = 20, eps: float = 
     """
     m = mixes_width(n)
     k = n * width
-    rows = list(range(n))
+    softmax_rows, column_step, row_step = _sinkhorn_macros(n, eps)
 
     @T.macro
     def coefficients(mix, alpha, bias, pre, post, comb):
@@ -41,32 +82,14 @@ def coefficient_macro(n: int, width: int, *, iterations: int = 20, eps: float = 
         for i in T.unroll(n):
             pre[i] = T.sigmoid(a_pre * mix[i] + bias[i]) + T.float32(eps)
             post[i] = T.float32(2.0) * T.sigmoid(a_post * mix[n + i] + bias[n + i])
+        softmax_rows(comb, a_res, mix, bias)
         for q in T.unroll(n * n):
-            comb[q] = a_res * mix[2 * n + q] + bias[2 * n + q]
-        # softmax over each row, + eps
-        for i in T.unroll(n):
-            row_max = comb[i * n]
-            for j in rows[1:]:
-                row_max = T.max(row_max, comb[i * n + j])
-            for j in T.unroll(n):
-                comb[i * n + j] = T.exp(comb[i * n + j] - row_max)
-            inv = T.float32(1.0) / sum([comb[i * n + j] for j in rows])
-            for j in T.unroll(n):
-                comb[i * n + j] = comb[i * n + j] * inv + T.float32(eps)
+            comb[q] = comb[q] + T.float32(eps)
         # one column normalisation, then (t - 1) rounds of rows and columns
-        for j in T.unroll(n):
-            inv = T.float32(1.0) / (sum([comb[i * n + j] for i in rows]) + T.float32(eps))
-            for i in T.unroll(n):
-                comb[i * n + j] = comb[i * n + j] * inv
+        column_step(comb, None, 0)
         for _ in T.serial(iterations - 1):
-            for i in T.unroll(n):
-                inv = T.float32(1.0) / (sum([comb[i * n + j] for j in rows]) + T.float32(eps))
-                for j in T.unroll(n):
-                    comb[i * n + j] = comb[i * n + j] * inv
-            for j in T.unroll(n):
-                inv = T.float32(1.0) / (sum([comb[i * n + j] for i in rows]) + T.float32(eps))
-                for i in T.unroll(n):
-                    comb[i * n + j] = comb[i * n + j] * inv
+            row_step(comb, None, 0)
+            column_step(comb, None, 0)
 
     return coefficients
 
@@ -97,33 +120,7 @@ def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps:
     rows = list(range(n))
     groups = [list(range(n)), list(range(n, 2 * n)), list(range(2 * n, m))]
 
-    @T.macro
-    def softmax_rows(comb, a_res, mix, bias):
-        for q in T.unroll(n * n):
-            comb[q] = a_res * mix[2 * n + q] + bias[2 * n + q]
-        for i in T.unroll(n):
-            row_max = comb[i * n]
-            for j in rows[1:]:
-                row_max = T.max(row_max, comb[i * n + j])
-            for j in T.unroll(n):
-                comb[i * n + j] = T.exp(comb[i * n + j] - row_max)
-            total = T.float32(1.0) / sum([comb[i * n + j] for j in rows])
-            for j in T.unroll(n):
-                comb[i * n + j] = comb[i * n + j] * total
-
-    @T.macro
-    def column_step(comb, inv, step):
-        for j in T.unroll(n):
-            inv[step * n + j] = T.float32(1.0) / (sum([comb[i * n + j] for i in rows]) + T.float32(eps))
-            for i in T.unroll(n):
-                comb[i * n + j] = comb[i * n + j] * inv[step * n + j]
-
-    @T.macro
-    def row_step(comb, inv, step):
-        for i in T.unroll(n):
-            inv[step * n + i] = T.float32(1.0) / (sum([comb[i * n + j] for j in rows]) + T.float32(eps))
-            for j in T.unroll(n):
-                comb[i * n + j] = comb[i * n + j] * inv[step * n + i]
+    softmax_rows, column_step, row_step = _sinkhorn_macros(n, eps)
 
     @T.macro
     def column_step_backward(comb, dcomb, inv, step):

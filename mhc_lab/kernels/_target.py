@@ -125,6 +125,15 @@ def check_lanes_and_width(name: str, n, C, max_lanes: int) -> None:
         raise ValueError(f"{name}: expected a positive width C, got C = {C!r}")
 
 
+def check_target_dtype(name: str, dtype: str, target: str, gpu_dtypes: tuple[str, ...]) -> str:
+    """The canonical target, after checking the dtype: float32 on the C target, one of gpu_dtypes on CUDA."""
+    t = canonical_target(target)
+    allowed = ("float32",) if t == "c" else tuple(gpu_dtypes)
+    if dtype not in allowed:
+        raise ValueError(f"{name} on target {t!r}: expected dtype in {allowed}, got {dtype!r}")
+    return t
+
+
 def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 

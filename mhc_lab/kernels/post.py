@@ -21,18 +21,14 @@ import functools
 
 import tilelang.language as T
 
-from mhc_lab.kernels._target import canonical_target, compile_program, check_lanes_and_width
+from mhc_lab.kernels._target import check_lanes_and_width, check_target_dtype, compile_program
 
 DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _check(n: int, C: int, dtype: str, target: str) -> str:
     check_lanes_and_width("post kernel", n, C, max_lanes=16)
-    t = canonical_target(target)
-    allowed = ("float32",) if t == "c" else DTYPES
-    if dtype not in allowed:
-        raise ValueError(f"post kernel on target {t!r}: expected dtype in {allowed}, got {dtype!r}")
-    return t
+    return check_target_dtype("post kernel", dtype, target, DTYPES)
 
 
 def default_tiles(C: int, dtype: str) -> tuple[int, int, int]:

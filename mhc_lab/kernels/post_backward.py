@@ -20,18 +20,14 @@ import functools
 
 import tilelang.language as T
 
-from mhc_lab.kernels._target import canonical_target, compile_program, check_lanes_and_width
+from mhc_lab.kernels._target import check_lanes_and_width, check_target_dtype, compile_program
 
 DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _check(n: int, C: int, dtype: str, target: str) -> str:
     check_lanes_and_width("post backward kernel", n, C, max_lanes=16)
-    t = canonical_target(target)
-    allowed = ("float32",) if t == "c" else DTYPES
-    if dtype not in allowed:
-        raise ValueError(f"post backward kernel on target {t!r}: expected dtype in {allowed}, got {dtype!r}")
-    return t
+    return check_target_dtype("post backward kernel", dtype, target, DTYPES)
 
 
 def vector_width(C: int, dtype: str) -> int:

@@ -32,6 +32,23 @@ from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
 from mhc_lab.kernels._target import canonical_target, compile_program, check_lanes_and_width
 
 
+def _project_row_macro(n: int, C: int):
+    """A T.macro ``project_row(x, phi, tok, mix)``: mix[:M] = x[tok] . phi^T, mix[M] = sum(x[tok]^2) (C target)."""
+    M = mixes_width(n)
+
+    @T.macro
+    def project_row(x, phi, tok, mix):
+        for q in T.serial(M + 1):
+            mix[q] = T.float32(0)
+        for j, c in T.grid(n, C):
+            v = T.cast(x[tok, j, c], "float32")
+            mix[M] += v * v
+            for q in T.serial(M):
+                mix[q] += v * phi[q, j * C + c]
+
+    return project_row
+
+
 def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, block_tokens: int = 4,
                 iterations: int = 20):
     """The C-target tile program of the whole pre kernel (one launch).
@@ -49,6 +66,7 @@ def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, bl
     NT = T.dynamic("T")
     lanes = list(range(n))
     coefficients = coefficient_macro(n, C, iterations=iterations)
+    project_row = _project_row_macro(n, C)
 
     @T.prim_func
     def pre_c(
@@ -70,13 +88,7 @@ def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, bl
                 tok = b * BT + tt
                 if tok < NT:
                     # pass 1 over the token's row: the n^2+2n projections and the sum of squares
-                    for q in T.serial(M + 1):
-                        mix[q] = T.float32(0)
-                    for j, c in T.grid(n, C):
-                        v = T.cast(x[tok, j, c], "float32")
-                        mix[M] += v * v
-                        for q in T.serial(M):
-                            mix[q] += v * phi[q, j * C + c]
+                    project_row(x, phi, tok, mix)
                     coefficients(mix, alpha, bias, pre_l, post_l, comb)
                     for i in T.serial(n):
                         pre_out[tok, i] = pre_l[i]
@@ -101,6 +113,7 @@ def projection_program(n: int, C: int, dtype: str = "float32", target: str = "c"
     M = mixes_width(n)
     BT = block_tokens
     NT = T.dynamic("T")
+    project_row = _project_row_macro(n, C)
 
     @T.prim_func
     def projection_c(
@@ -113,13 +126,7 @@ def projection_program(n: int, C: int, dtype: str = "float32", target: str = "c"
             for tt in T.serial(BT):
                 tok = b * BT + tt
                 if tok < NT:
-                    for q in T.serial(M + 1):
-                        mix[q] = T.float32(0)
-                    for j, c in T.grid(n, C):
-                        v = T.cast(x[tok, j, c], "float32")
-                        mix[M] += v * v
-                        for q in T.serial(M):
-                            mix[q] += v * phi[q, j * C + c]
+                    project_row(x, phi, tok, mix)
                     for q in T.serial(M + 1):
                         partial[0, tok, q] = mix[q]
 

@@ -34,19 +34,14 @@ import functools
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_backward_macro, mixes_width, sinkhorn_steps
-from mhc_lab.kernels._target import canonical_target, compile_program, check_lanes_and_width, round_up
-from mhc_lab.kernels.post_backward import vector_width
+from mhc_lab.kernels._target import canonical_target, check_lanes_and_width, check_target_dtype, compile_program, round_up
 
 EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
 
 
 def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
     check_lanes_and_width(name, n, C, max_lanes=8)
-    t = canonical_target(target)
-    allowed = ("float32",) if t == "c" else ("bfloat16",)
-    if dtype not in allowed:
-        raise ValueError(f"{name} on target {t!r}: expected dtype in {allowed}, got {dtype!r}")
-    return t
+    return check_target_dtype(name, dtype, target, ("bfloat16",))
 
 
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
@@ -238,7 +233,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     K = n * C
     NT = T.dynamic("T")
     S = splits
-    lanes = list(range(n))
 
     if t == "c":
         BCc = 8
