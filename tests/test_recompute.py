@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from mhc_lab.course.recompute import (
+from mhc_lab.reference.recompute import (
     approximate_block,
     memory_without_recompute,
     optimal_block,

@@ -27,7 +27,7 @@ from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
     recorded_or_none, recording_label, synchronize, time_fn,
 )
 from mhc_lab.course.models import MLP, CausalSelfAttention
-from mhc_lab.course.recompute import memory_without_recompute, optimal_block, recompute_memory
+from mhc_lab.reference.recompute import memory_without_recompute, optimal_block, recompute_memory
 from mhc_lab.ops.training import MHCResidualStream
 
 RECORDING = "training_h200"

@@ -410,7 +410,7 @@ class MHCResidualStream(nn.Module):
     recompute_block: None keeps every activation; k > 0 checkpoints blocks of k layers in which only the mHC
     ops are recomputed in backward (the layers' own activations are kept), so the lanes of a block's inner
     layers are not stored (arXiv 2512.24880 Sec. 4.3.2); "auto" takes the integer optimum of Eq. 20
-    (mhc_lab.course.recompute)."""
+    (mhc_lab.reference.recompute)."""
 
     def __init__(self, layers: Sequence[nn.Module], n: int, width: int, *, backend: str = "auto",
                  recompute_block: int | str | None = None):
@@ -421,7 +421,7 @@ class MHCResidualStream(nn.Module):
         self.n = require_positive_int("n", n)
         self.connections = nn.ModuleList(MHCConnection(n, width, backend=backend) for _ in self.layers)
         if recompute_block == "auto":
-            from mhc_lab.course.recompute import optimal_block
+            from mhc_lab.reference.recompute import optimal_block
 
             recompute_block, _ = optimal_block(n, len(self.layers))
         if recompute_block is not None and (not isinstance(recompute_block, int) or recompute_block < 1):

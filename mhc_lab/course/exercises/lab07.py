@@ -4,7 +4,7 @@ recompute memory.
 
 Every tensor check runs in float64 on seeded random inputs and random upstream gradients (never all-ones), for
 n = 1, 2, 4, 8 lanes and awkward widths, against mhc_lab.reference.backward (tested against autograd) or the
-course library (mhc_lab.course.training_lab, mhc_lab.course.recompute).
+course library (mhc_lab.course.training_lab, mhc_lab.reference.recompute).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import torch
 
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, expect_number, randn, register
-from mhc_lab.course.recompute import recompute_memory
+from mhc_lab.reference.recompute import recompute_memory
 from mhc_lab.course.training_lab import norm_scale_backward, normalize_step_backward
 from mhc_lab.reference import sinkhorn
 from mhc_lab.reference.backward import post_backward, sinkhorn_backward
