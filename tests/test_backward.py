@@ -108,31 +108,49 @@ def test_post_backward_kernel_c_target(n, C, tokens):
         assert _relmax(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("linked", [False, True])
 @pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
-def test_pre_backward_kernels_c_target(n, C, tokens, accumulate):
+def test_pre_backward_kernels_c_target(n, C, tokens, linked):
+    """linked: the pre's backward also owns the gradient g of H_res x (dH_res += <g_i, x_j>, dx += H_res^T g)."""
     from mhc_lab.kernels.pre_backward import pre_backward_kernels
 
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens)
-    dy, dpost, dres, dx_in = _upstream((tokens,), n, C, seed=tokens + 2)
-    want = pre_backward(x, phi, bias, alpha, dy, dpost, dres)
+    dy, dpost, dres, g = _upstream((tokens,), n, C, seed=tokens + 2)
+    coefficients_ref = mhc_coefficients(x, phi, bias, alpha)
+    dres_total = dres + (torch.einsum("tic,tjc->tij", g, x) if linked else 0)
+    want = pre_backward(x, phi, bias, alpha, dy, dpost, dres_total)
+    want_dx = want.x + (torch.einsum("tij,tic->tjc", coefficients_ref.res, g) if linked else 0)
     m = n * n + 2 * n
     flat = x.reshape(tokens, n * C)
     partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1)[None].float()
-    pre = mhc_coefficients(x, phi, bias, alpha).pre.float()
-    coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", accumulate=accumulate)
+    pre = coefficients_ref.pre.float()
+    coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", lanes_grad=linked)
     nan = float("nan")
     dpre, dlogit, dmix, extra = (torch.full((tokens, k), nan) for k in (n, m, m, 4))
-    coefficients(x.float(), dy.float(), partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
+    g_in = [g.float()] if linked else []
+    coefficients(x.float(), dy.float(), *g_in, partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
                  dpre, dlogit, dmix, extra)
     dx, dphi = torch.full(x.shape, nan), torch.full((1, m, n * C), nan)
-    extra_in = [dx_in.float()] if accumulate else []
-    lanes(x.float(), dy.float(), pre, dmix, extra, phi.float(), *extra_in, dx, dphi)
-    assert _relmax(dx, want.x + (dx_in if accumulate else 0)) < 1e-5
+    lanes_in = [g.float(), coefficients_ref.res.float().contiguous()] if linked else []
+    lanes(x.float(), dy.float(), pre, dmix, extra, phi.float(), *lanes_in, dx, dphi)
+    assert _relmax(dx, want_dx) < 1e-5
     assert _relmax(dphi[0], want.phi) < 1e-5
     assert _relmax(dlogit.sum(0), want.bias) < 1e-5
     assert _relmax(extra[:, :3].sum(0), want.alpha) < 1e-4
     assert _relmax(dpre, torch.einsum("tc,tjc->tj", dy, x)) < 1e-5
+
+
+@pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
+def test_post_backward_layer_kernel_c_target(n, C, tokens):
+    from mhc_lab.kernels.post_backward import post_backward_layer_kernel
+
+    _, _, _, _, f = _site_inputs((tokens,), n, C, seed=tokens)
+    g = _upstream((tokens,), n, C, seed=tokens + 1)[3]
+    post = torch.rand(tokens, n, dtype=torch.float64) * 2
+    df, dpost = torch.full((tokens, C), float("nan")), torch.full((tokens, n), float("nan"))
+    post_backward_layer_kernel(n, C, "float32", "c")(f.float(), g.float(), post.float(), df, dpost)
+    assert _relmax(df, torch.einsum("ti,tic->tc", post, g)) < 1e-5
+    assert _relmax(dpost, torch.einsum("tic,tc->ti", g, f)) < 1e-5
 
 
 needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found: the sm_90 build check needs it")
@@ -152,16 +170,16 @@ def test_post_backward_builds_for_sm90(n, C, dtype):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("n,C,accumulate,splits", [(4, 4096, False, 4), (4, 136, False, 4), (2, 100, True, 1),
+@pytest.mark.parametrize("n,C,linked,splits", [(4, 4096, False, 4), (4, 4096, True, 4), (4, 136, True, 4), (2, 100, True, 1),
                                                      (8, 24, False, 2)])
-def test_pre_backward_builds_for_sm90(n, C, accumulate, splits):
+def test_pre_backward_builds_for_sm90(n, C, linked, splits):
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program, pre_backward_lanes_program
 
-    coefficients = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=splits),
-                                   "sm_90")
+    coefficients = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=splits,
+                                                                     lanes_grad=linked), "sm_90")
     assert "float inv[" in coefficients.get_kernel_source()  # Sinkhorn's reciprocals stay on chip
-    lanes = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", accumulate=accumulate,
+    lanes = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", lanes_grad=linked,
                                                        splits=2), "sm_90")
     assert "wgmma" in lanes.get_kernel_source()  # the dmix phi and dphi products run on tensor cores
 
@@ -183,11 +201,17 @@ def test_backward_factories_refuse_bad_configurations():
 # ------------------------------------------------------------------------------------------ training ops
 
 
-def _site(backend, x, phi, bias, alpha, weight):
-    from mhc_lab.ops.training import mhc_post as op_post, mhc_pre as op_pre
+def _site(backend, x, phi, bias, alpha, weight, linked=False):
+    """One site with layer tanh(y W): as mhc_pre then mhc_post, or (linked) as mhc_site."""
+    from mhc_lab.ops.training import mhc_post as op_post, mhc_pre as op_pre, mhc_site
 
+    def layer(y):
+        return torch.tanh(y @ weight.to(y.dtype))
+
+    if linked:
+        return mhc_site(x, phi, bias, alpha, layer, backend=backend)
     y, post, res = op_pre(x, phi, bias, alpha, backend=backend)
-    return op_post(x, torch.tanh(y @ weight.to(y.dtype)), post, res, backend=backend)
+    return op_post(x, layer(y), post, res, backend=backend)
 
 
 def _site_truth(x, phi, bias, alpha, weight, g):
@@ -198,18 +222,20 @@ def _site_truth(x, phi, bias, alpha, weight, g):
     return torch.autograd.grad(out, leaves, g.double())
 
 
+@pytest.mark.parametrize("linked", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_ops_gradcheck_reference_backend(n):
+def test_ops_gradcheck_reference_backend(n, linked):
     x, phi, bias, alpha, _ = _site_inputs((2, 3), n, 5, seed=n)
     weight = torch.randn(5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) / 3
     leaves = [t.clone().requires_grad_() for t in (x, phi, bias, alpha)]
-    assert torch.autograd.gradcheck(lambda *a: _site("reference", *a, weight), leaves, eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(lambda *a: _site("reference", *a, weight, linked), leaves, eps=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("kernels", torch.float32, 2e-5),
                                                ("kernels", torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("linked", [False, True])
 @pytest.mark.parametrize("n,C", [(4, 24), (2, 7), (8, 3)])
-def test_ops_gradients_match_float64(backend, dtype, tol, n, C):
+def test_ops_gradients_match_float64(backend, dtype, tol, n, C, linked):
     x, phi, bias, alpha, _ = _site_inputs((2, 5), n, C, seed=C)
     weight = torch.randn(C, C, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) / math.sqrt(C)
     g = _upstream((2, 5), n, C, seed=C)[3]
@@ -217,7 +243,7 @@ def test_ops_gradients_match_float64(backend, dtype, tol, n, C):
     want = _site_truth(x, phi, bias, alpha, weight, g)
     coef_dtype = torch.float64 if backend == "reference" else torch.float32
     leaves = [x.clone().requires_grad_()] + [t.to(coef_dtype).requires_grad_() for t in (phi, bias, alpha)]
-    out = _site(backend, *leaves, weight)
+    out = _site(backend, *leaves, weight, linked)
     got = torch.autograd.grad(out, leaves, g.to(out.dtype))
     for name, a, b in zip(("x", "phi", "bias", "alpha"), got, want):
         assert a.dtype == leaves[("x", "phi", "bias", "alpha").index(name)].dtype, name
@@ -338,10 +364,14 @@ def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
     g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
     want = _site_truth(x, phi, bias, alpha, weight, g)
     runs = []
-    for _ in range(2):
+    for linked in (False, True, True):
         leaves = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in (phi, bias, alpha)]
-        out = _site("kernels", *leaves, weight)
+        out = _site("kernels", *leaves, weight, linked)
         runs.append(torch.autograd.grad(out, leaves, g.to(out.dtype)))
+    for name, a, b in zip(("x", "phi", "bias", "alpha"), runs[1], want):
+        rel = float((a.double() - b).norm() / b.norm())
+        assert rel < 2e-2, ("linked", name, rel)
+    runs = runs[1:] if n <= 4 else runs[:2]
     for name, a, b, again in zip(("x", "phi", "bias", "alpha"), runs[0], want, runs[1]):
         rel = float((a.double() - b).norm() / b.norm())
         assert rel < 2e-2, (name, rel)

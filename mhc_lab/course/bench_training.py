@@ -5,7 +5,8 @@
 
 Site (n = 4, bf16 lanes, float32 coefficients, 20 Sinkhorn rounds, layer F = identity): forward and the
 gradients of x, phi, bias and alpha for a random upstream gradient, timed as medians (L2 flushed between
-runs) for ours (the fused kernels through mhc_lab.ops.training), DeepSeek's TileKernels (tile-kernels 1.0.0,
+runs) for ours (the fused kernels through mhc_lab.ops.training: mhc_pre then mhc_post, and mhc_site, which
+links them so that the post's lanes gradient is computed in the pre's backward), DeepSeek's TileKernels (tile-kernels 1.0.0,
 its autograd path), torch.compile of the reference and the eager reference; every gradient is compared
 with the float32 reference on the same inputs.
 
@@ -45,8 +46,12 @@ def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> di
     # ours: split pre reads x twice; post; post backward; pre backward reads x and dy twice (kernel 1 and 2),
     # writes dx; autograd adds the two dx (reads 2nC, writes nC)
     ours = (2 * n + 1) + (2 * n + 1) + (3 * n + 2) + (n + 1) + (2 * n + 1) + 3 * n
+    # linked (mhc_site): the same forward; the post's backward reads g and f, writes df; kernel 1 also reads g;
+    # kernel 2 also reads g; no sum of two dx
+    linked = (2 * n + 1) + (2 * n + 1) + (n + 2) + (2 * n + 1) + (3 * n + 1)
     return {"least": tokens * least * C * itemsize, "ours": tokens * ours * C * itemsize,
-            "least_elements_per_token": f"{least} C", "ours_elements_per_token": f"{ours} C"}
+            "ours_linked": tokens * linked * C * itemsize, "least_elements_per_token": f"{least} C",
+            "ours_elements_per_token": f"{ours} C", "ours_linked_elements_per_token": f"{linked} C"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -54,17 +59,20 @@ def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> di
 
 
 def _site_impls(skip):
-    from mhc_lab.ops.training import mhc_post as ours_post, mhc_pre as ours_pre
+    from mhc_lab.ops.training import mhc_post as ours_post, mhc_pre as ours_pre, mhc_site
 
     def ours(x, phi, bias, alpha):
         y, post, res = ours_pre(x, phi, bias, alpha, backend="kernels")
         return ours_post(x, y, post, res, backend="kernels")
 
+    def ours_linked(x, phi, bias, alpha):  # the site as one call: the post's lanes gradient left to the pre
+        return mhc_site(x, phi, bias, alpha, lambda y: y, backend="kernels")
+
     def reference(x, phi, bias, alpha):
         pre, post, res = mhc_coefficients(x, phi, bias, alpha)
         return mhc_post(x, mhc_pre(x, pre), post, res)
 
-    impls = {"ours": ours}
+    impls = {"ours": ours, "ours_linked": ours_linked}
     errors = {}
     if "tilekernels" not in skip:
         try:
@@ -109,8 +117,9 @@ def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
         except Exception as e:  # noqa: BLE001
             out["errors"][name] = repr(e)[:500]
             log(f"  site {tokens}x{C} {name:12s} FAILED {repr(e)[:300]}")
-    if "ours" in out["times_ms"] and "tilekernels" in out["times_ms"]:
-        out["ours_vs_tilekernels"] = out["times_ms"]["ours"] / out["times_ms"]["tilekernels"]
+    for name in ("ours", "ours_linked"):
+        if name in out["times_ms"] and "tilekernels" in out["times_ms"]:
+            out[f"{name}_vs_tilekernels"] = out["times_ms"][name] / out["times_ms"]["tilekernels"]
     out["times_ms"].update(_site_components(x, phi, bias, alpha, g, bench))
     return out
 

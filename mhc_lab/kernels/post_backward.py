@@ -158,6 +158,103 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
     return post_backward_cuda
 
 
+def post_backward_layer_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+                                threads: int = 256, block_tokens: int = 4):
+    """The post backward when the lanes' gradient is left to the pre backward (``ops.training``'s linked site:
+    the pre hands the post H_res x, whose gradient is g itself): only df = sum_i H_post[i] g_i and
+    dH_post[i] = <g_i, f>. Reads g (nC) and f (C), writes df (C): 6C elements per token at n = 4, not 14C.
+
+    Arguments at run time: f [T, C], g [T, n, C], post [T, n] f32, then the outputs df [T, C], dpost [T, n] f32.
+    """
+    t = _check(n, C, dtype, target)
+    NT = T.dynamic("T")
+    lanes = list(range(n))
+
+    if t == "c":
+        BT = block_tokens
+
+        @T.prim_func
+        def post_layer_backward_c(
+            f: T.Tensor((NT, C), dtype),
+            g: T.Tensor((NT, n, C), dtype),
+            post: T.Tensor((NT, n), "float32"),
+            df: T.Tensor((NT, C), dtype),
+            dpost: T.Tensor((NT, n), "float32"),
+        ):
+            with T.Kernel(T.ceildiv(NT, BT)) as b:
+                acc = T.alloc_local((n,), "float32")
+                for tt in T.serial(BT):
+                    tok = b * BT + tt
+                    if tok < NT:
+                        for i in T.serial(n):
+                            acc[i] = T.float32(0)
+                        for c in T.serial(C):
+                            gs = [T.cast(g[tok, i, c], "float32") for i in lanes]
+                            df[tok, c] = T.cast(sum([post[tok, i] * gs[i] for i in lanes]), dtype)
+                            for i in lanes:
+                                acc[i] += gs[i] * T.cast(f[tok, c], "float32")
+                        for i in T.serial(n):
+                            dpost[tok, i] = acc[i]
+
+        return post_layer_backward_c
+
+    V = vector_width(C, dtype)
+    WARPS = threads // 32
+    STEP = 32 * V
+    NS = (C + STEP - 1) // STEP
+
+    @T.prim_func
+    def post_layer_backward_cuda(
+        f: T.Tensor((NT, C), dtype),
+        g: T.Tensor((NT, n, C), dtype),
+        post: T.Tensor((NT, n), "float32"),
+        df: T.Tensor((NT, C), dtype),
+        dpost: T.Tensor((NT, n), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, WARPS), threads=threads) as b:
+            coef = T.alloc_local((n,), "float32")
+            acc = T.alloc_local((n,), "float32")
+            gv = T.alloc_local((n, V), dtype)
+            fv = T.alloc_local((V,), dtype)
+            dfv = T.alloc_local((V,), dtype)
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            tok = b * WARPS + tx // 32
+            if tok < NT:
+                for i in T.unroll(n):
+                    coef[i] = post[tok, i]
+                    acc[i] = T.float32(0)
+                for s in T.serial(NS):
+                    c0 = s * STEP + lane * V
+                    if c0 < C:
+                        for i in T.unroll(n):
+                            for v in T.vectorized(V):
+                                gv[i, v] = g[tok, i, c0 + v]
+                        for v in T.vectorized(V):
+                            fv[v] = f[tok, c0 + v]
+                        for v in T.unroll(V):
+                            gs = [T.cast(gv[i, v], "float32") for i in lanes]
+                            fs = T.cast(fv[v], "float32")
+                            dfv[v] = T.cast(sum([coef[i] * gs[i] for i in lanes]), dtype)
+                            for i in lanes:
+                                acc[i] += gs[i] * fs
+                        for v in T.vectorized(V):
+                            df[tok, c0 + v] = dfv[v]
+                for i in T.unroll(n):
+                    acc[i] = T.warp_reduce_sum(acc[i])
+                if lane == 0:
+                    for i in T.unroll(n):
+                        dpost[tok, i] = acc[i]
+
+    return post_layer_backward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def post_backward_layer_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
+    """The compiled post_backward_layer_program (cached per process): ``kernel(f, g, post, df, dpost)``."""
+    return compile_program(post_backward_layer_program(n, C, dtype, target), target)
+
+
 @functools.lru_cache(maxsize=None)
 def post_backward_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
     """The compiled post backward (cached per process): ``kernel(x, f, g, post, res, dx, df, dpost, dres)``."""

@@ -7,12 +7,13 @@
 #              the backward of the sigmoids, of Sinkhorn (recomputed on chip, arXiv 2512.24880 Sec. 4.3.1)
 #              and of the norm: dmix [n^2 + 2n] (the gradient of the raw projections), dlogit (= the bias
 #              gradient per token), the alpha gradients per token and ds (the gradient of s).
-#     kernel 2 (lanes and phi): dx[t, j, c] = dx_in + H_pre[j] dy[c] + sum_q dmix[q] phi[q, jC + c] + 2 ds x
+#     kernel 2 (lanes and phi): dx[t, j, c] = H_pre[j] dy[c] + sum_q dmix[q] phi[q, jC + c] + 2 ds x
+#              (+ sum_i H_res[i, j] g_i[c] in the linked site, where the pre's backward owns H_res x's gradient)
 #              and dphi[q, k] = sum_t dmix[t, q] x_flat[t, k] (a reduction over tokens: per-split partials,
 #              summed afterwards in a fixed order, so deterministic).
 #
-# Bytes per token (bf16, n = 4): kernel 1 reads x and dy (5C elements); kernel 2 reads x, dy (and dx_in when
-# it accumulates another gradient: 4C more) and writes dx (4C): 9C or 13C. phi (1.5 MB at C = 4096) is read
+# Bytes per token (bf16, n = 4): kernel 1 reads x and dy (5C elements; 9C with g in the linked site); kernel 2
+# reads x, dy (and g in the linked site: 4C more) and writes dx (4C): 9C or 13C. phi (1.5 MB at C = 4096) is read
 # from L2 once per CTA and dphi written once per split.
 # FLOPs per token: 2 (n^2 + 2n) nC twice (dmix phi and dmix^T x: 384 C at n = 4) on tensor cores, as three
 # bf16 products (dmix and phi each split into bf16 hi + lo, ~16 bits kept) accumulated in float32.
@@ -45,24 +46,32 @@ def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
 
 
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                                      splits: int = 1, iterations: int = 20, threads: int = 256,
-                                      block_tokens: int = 16, block_c: int = 256, stages: int = 2):
-    """Kernel 1. Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw
-    projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32,
-    (CUDA only: pre [T, n] f32); outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4]
-    (all f32), and on CUDA kernel 2's operands: dsplit [T, 3, 2 gemm_depth(n)] bf16 (dmix split into bf16
-    hi and lo, laid out for the three products) and coef [T, coef_width(n)] f32 (H_pre, then 2 ds)."""
+                                      splits: int = 1, lanes_grad: bool = False, iterations: int = 20,
+                                      threads: int = 256, block_tokens: int = 16, block_c: int | None = None,
+                                      stages: int = 2):
+    """Kernel 1. Arguments: x [T, n, C], dy [T, C], (if lanes_grad: g [T, n, C], the gradient of the site's
+    H_res x, see below), partial [splits, T, n^2+2n+1] f32 (the forward's raw projections and sum of squares,
+    summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32, (CUDA only: pre [T, n] f32);
+    outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all f32), and on CUDA kernel 2's
+    operands: dsplit [T, 3, 2 gemm_depth(n)] bf16 (dmix split into bf16 hi and lo, laid out for the three
+    products) and coef [T, coef_width(n)] f32 (H_pre, then 2 ds).
+
+    lanes_grad: the linked site of mhc_lab.ops.training hands the post H_res x from the pre, so the post's
+    backward passes its g on untouched and the pre's backward adds dH_res[i, j] = <g_i, x_j> here, to dres,
+    while reading x for dH_pre anyway (4C more read instead of the post's 4C read of x and 4C write of dx)."""
     t = _check("pre backward (coefficients)", n, C, dtype, target)
     M = mixes_width(n)
     NT = T.dynamic("T")
     S = splits
     lanes = list(range(n))
+    pairs = [(i, j) for i in lanes for j in lanes]
     backward = coefficient_backward_macro(n, C, iterations=iterations)
     NI = sinkhorn_steps(iterations) * n
 
     @T.macro
     def per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv, dlogit_l,
                   dmix_l, extra_l, dpre, dlogit, dmix, extra):
+        """dres_l arrives holding <g_i, x_j> (or zeros); dres is added to it."""
         for q in T.unroll(M + 1):
             mix[q] = partial[0, tok, q]
         for s in T.serial(S - 1):
@@ -71,7 +80,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
         for i in T.unroll(n):
             dpost_l[i] = dpost[tok, i]
             for j in T.unroll(n):
-                dres_l[i * n + j] = dres[tok, i, j]
+                dres_l[i * n + j] = dres_l[i * n + j] + dres[tok, i, j]
         backward(mix, alpha, bias, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l)
         for i in T.unroll(n):
             dpre[tok, i] = dpre_l[i]
@@ -83,20 +92,8 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
 
     if t == "c":
 
-        @T.prim_func
-        def coefficients_backward_c(
-            x: T.Tensor((NT, n, C), dtype),
-            dy: T.Tensor((NT, C), dtype),
-            partial: T.Tensor((S, NT, M + 1), "float32"),
-            bias: T.Tensor((M,), "float32"),
-            alpha: T.Tensor((3,), "float32"),
-            dpost: T.Tensor((NT, n), "float32"),
-            dres: T.Tensor((NT, n, n), "float32"),
-            dpre: T.Tensor((NT, n), "float32"),
-            dlogit: T.Tensor((NT, M), "float32"),
-            dmix: T.Tensor((NT, M), "float32"),
-            extra: T.Tensor((NT, EXTRA), "float32"),
-        ):
+        @T.macro
+        def body_c(x, dy, g, partial, bias, alpha, dpost, dres, dpre, dlogit, dmix, extra):
             with T.Kernel(NT) as tok:
                 mix = T.alloc_local((M + 1,), "float32")
                 dpre_l = T.alloc_local((n,), "float32")
@@ -110,44 +107,66 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                 extra_l = T.alloc_local((EXTRA,), "float32")
                 for j in T.serial(n):
                     dpre_l[j] = T.float32(0)
+                for q in T.serial(n * n):
+                    dres_l[q] = T.float32(0)
                 for c in T.serial(C):
                     d = T.cast(dy[tok, c], "float32")
                     for j in lanes:
                         dpre_l[j] += d * T.cast(x[tok, j, c], "float32")
+                    if g is not None:
+                        for i, j in pairs:
+                            dres_l[i * n + j] += T.cast(g[tok, i, c], "float32") * T.cast(x[tok, j, c], "float32")
                 per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
                           dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
+
+        if lanes_grad:
+
+            @T.prim_func
+            def coefficients_backward_c_linked(
+                x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
+                partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+                alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+                dres: T.Tensor((NT, n, n), "float32"), dpre: T.Tensor((NT, n), "float32"),
+                dlogit: T.Tensor((NT, M), "float32"), dmix: T.Tensor((NT, M), "float32"),
+                extra: T.Tensor((NT, EXTRA), "float32"),
+            ):
+                body_c(x, dy, g, partial, bias, alpha, dpost, dres, dpre, dlogit, dmix, extra)
+
+            return coefficients_backward_c_linked
+
+        @T.prim_func
+        def coefficients_backward_c(
+            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
+            partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+            alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+            dres: T.Tensor((NT, n, n), "float32"), dpre: T.Tensor((NT, n), "float32"),
+            dlogit: T.Tensor((NT, M), "float32"), dmix: T.Tensor((NT, M), "float32"),
+            extra: T.Tensor((NT, EXTRA), "float32"),
+        ):
+            body_c(x, dy, None, partial, bias, alpha, dpost, dres, dpre, dlogit, dmix, extra)
 
         return coefficients_backward_c
 
     KH = gemm_depth(n)
     K2 = 2 * KH
     CP = coef_width(n)
-    BT, BC = block_tokens, min(block_c, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
+    # the reduction accumulators, (n or n + n^2) x [BT x BC] float32, must stay near 64 registers per thread
+    BC = block_c or (256 if not lanes_grad else 64)
+    BT, BC = block_tokens, min(BC, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
     NC = (C + BC - 1) // BC
+    NG = len(pairs) if lanes_grad else 0
+    slots = list(range(n + NG))  # reduction slots: <dy, x_j> for each lane, then <g_i, x_j> for each pair
+    gx_slots = [(n + k, i, j) for k, (i, j) in enumerate(pairs)]
 
-    @T.prim_func
-    def coefficients_backward_cuda(
-        x: T.Tensor((NT, n, C), dtype),
-        dy: T.Tensor((NT, C), dtype),
-        partial: T.Tensor((S, NT, M + 1), "float32"),
-        bias: T.Tensor((M,), "float32"),
-        alpha: T.Tensor((3,), "float32"),
-        dpost: T.Tensor((NT, n), "float32"),
-        dres: T.Tensor((NT, n, n), "float32"),
-        pre: T.Tensor((NT, n), "float32"),
-        dpre: T.Tensor((NT, n), "float32"),
-        dlogit: T.Tensor((NT, M), "float32"),
-        dmix: T.Tensor((NT, M), "float32"),
-        extra: T.Tensor((NT, EXTRA), "float32"),
-        dsplit: T.Tensor((NT, 3, K2), "bfloat16"),
-        coef: T.Tensor((NT, CP), "float32"),
-    ):
+    @T.macro
+    def body_cuda(x, dy, g, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef):
         with T.Kernel(T.ceildiv(NT, BT), threads=threads) as b:
             xs = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
+            gs = [T.alloc_shared((BT, BC), dtype) for _ in (lanes if lanes_grad else [])]
             dys = T.alloc_shared((BT, BC), dtype)
-            acc = [T.alloc_fragment((BT, BC), "float32") for _ in lanes]
-            sums = [T.alloc_fragment((BT,), "float32") for _ in lanes]
-            dpre_s = T.alloc_shared((BT, n), "float32")
+            acc = [T.alloc_fragment((BT, BC), "float32") for _ in slots]
+            sums = [T.alloc_fragment((BT,), "float32") for _ in slots]
+            sums_s = T.alloc_shared((BT, n + NG), "float32")
             mix = T.alloc_local((M + 1,), "float32")
             dpre_l = T.alloc_local((n,), "float32")
             dpost_l = T.alloc_local((n,), "float32")
@@ -159,22 +178,28 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             dmix_l = T.alloc_local((M,), "float32")
             extra_l = T.alloc_local((EXTRA,), "float32")
             t0 = b * BT
-            # phase 1, the whole CTA: dH_pre[t, j] = sum_c dy[t, c] x[t, j, c], streamed in [BT x BC] tiles
-            for j in lanes:
-                T.clear(acc[j])
+            # phase 1, the whole CTA: dH_pre[t, j] = <dy, x_j> (and <g_i, x_j>), streamed in [BT x BC] tiles
+            for q in slots:
+                T.clear(acc[q])
             for cb in T.Pipelined(NC, num_stages=stages):
                 for j in lanes:
                     T.copy(x[t0 : t0 + BT, j, cb * BC : cb * BC + BC], xs[j])
+                if g is not None:
+                    for i in lanes:
+                        T.copy(g[t0 : t0 + BT, i, cb * BC : cb * BC + BC], gs[i])
                 T.copy(dy[t0 : t0 + BT, cb * BC : cb * BC + BC], dys)
                 for tt, c in T.Parallel(BT, BC):
                     d = T.cast(dys[tt, c], "float32")
                     for j in lanes:
                         acc[j][tt, c] += d * T.cast(xs[j][tt, c], "float32")
-            for j in lanes:
-                T.reduce_sum(acc[j], sums[j], dim=1)
+                    if g is not None:
+                        for q, i, j in gx_slots:
+                            acc[q][tt, c] += T.cast(gs[i][tt, c], "float32") * T.cast(xs[j][tt, c], "float32")
+            for q in slots:
+                T.reduce_sum(acc[q], sums[q], dim=1)
             for tt in T.Parallel(BT):
-                for j in lanes:
-                    dpre_s[tt, j] = sums[j][tt]
+                for q in slots:
+                    sums_s[tt, q] = sums[q][tt]
             T.sync_threads()
             # phase 2, one thread per token: the coefficient backward, then kernel 2's operands
             tx = T.get_thread_binding()
@@ -182,7 +207,9 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                 tok = t0 + tx
                 if tok < NT:
                     for j in T.unroll(n):
-                        dpre_l[j] = dpre_s[tx, j]
+                        dpre_l[j] = sums_s[tx, j]
+                    for q in T.unroll(n * n):
+                        dres_l[q] = sums_s[tx, n + q] if lanes_grad else T.float32(0)
                     per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb,
                               inv, dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
                     for k in T.serial(K2):
@@ -202,6 +229,34 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                         else:
                             coef[tok, j] = T.float32(0)
 
+    if lanes_grad:
+
+        @T.prim_func
+        def coefficients_backward_cuda_linked(
+            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
+            partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+            alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+            dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
+            dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
+            dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+            dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
+        ):
+            body_cuda(x, dy, g, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
+
+        return coefficients_backward_cuda_linked
+
+    @T.prim_func
+    def coefficients_backward_cuda(
+        x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
+        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+        dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
+        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
+        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+        dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
+    ):
+        body_cuda(x, dy, None, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
+
     return coefficients_backward_cuda
 
 
@@ -217,12 +272,13 @@ def gemm_depth(n: int) -> int:
 
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                               accumulate: bool = False, splits: int = 1, block_tokens: int = 64,
+                               lanes_grad: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
                                dx_products: int = 3, threads: int = 128):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
-    Then (if accumulate) dx_in [T, n, C], then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC]
+    Then (if lanes_grad) g [T, n, C] and res [T, n, n] f32, whose sum_i H_res[i, j] g_i the kernel adds to dx
+    (the linked site's lanes gradient, see kernel 1), then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC]
     f32 on the C target (dphi itself); on CUDA [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it).
 
     CUDA tuning: lane_group lanes per CTA (default lane_tiling(n), which also picks block_c), token tiles of
@@ -233,12 +289,13 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     K = n * C
     NT = T.dynamic("T")
     S = splits
+    lanes = list(range(n))
 
     if t == "c":
         BCc = 8
 
         @T.macro
-        def body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial):
+        def body(x, dy, pre, dmix, extra, phi, g, res, dx, dphi_partial):
             with T.Kernel(T.ceildiv(C, BCc)) as bc:
                 acc = T.alloc_local((1,), "float32")
                 for cc in T.serial(BCc):
@@ -249,8 +306,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                 v = sum([dmix[tok, q] * phi[q, j * C + col] for q in range(M)],
                                         pre[tok, j] * T.cast(dy[tok, col], "float32")
                                         + T.float32(2) * extra[tok, 3] * T.cast(x[tok, j, col], "float32"))
-                                if dx_in is not None:
-                                    v = v + T.cast(dx_in[tok, j, col], "float32")
+                                if g is not None:
+                                    v = v + sum([res[tok, i, j] * T.cast(g[tok, i, col], "float32") for i in lanes])
                                 dx[tok, j, col] = T.cast(v, dtype)
                             for q in T.serial(M):
                                 acc[0] = T.float32(0)
@@ -258,18 +315,19 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                     acc[0] += dmix[tok, q] * T.cast(x[tok, j, col], "float32")
                                 dphi_partial[0, q, j * C + col] = acc[0]
 
-        if accumulate:
+        if lanes_grad:
 
             @T.prim_func
-            def lanes_backward_c_acc(
+            def lanes_backward_c_linked(
                 x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
                 dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
-                phi: T.Tensor((M, K), "float32"), dx_in: T.Tensor((NT, n, C), dtype),
+                phi: T.Tensor((M, K), "float32"), g: T.Tensor((NT, n, C), dtype),
+                res: T.Tensor((NT, n, n), "float32"),
                 dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
             ):
-                body(x, dy, pre, dmix, extra, phi, dx_in, dx, dphi_partial)
+                body(x, dy, pre, dmix, extra, phi, g, res, dx, dphi_partial)
 
-            return lanes_backward_c_acc
+            return lanes_backward_c_linked
 
         @T.prim_func
         def lanes_backward_c(
@@ -278,7 +336,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             phi: T.Tensor((M, K), "float32"),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
         ):
-            body(x, dy, pre, dmix, extra, phi, None, dx, dphi_partial)
+            body(x, dy, pre, dmix, extra, phi, None, None, dx, dphi_partial)
 
         return lanes_backward_c
 
@@ -294,7 +352,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     CP = coef_width(n)
 
     @T.macro
-    def body(x, dy, dsplit, coef, phi, dx_in, dx, dphi_partial):
+    def body(x, dy, dsplit, coef, phi, g, res, dx, dphi_partial):
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
             phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]
             a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
@@ -339,10 +397,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
-                        if dx_in is not None:
+                        if g is not None:  # the lanes' gradient through H_res: sum_i H_res[i, j] g_i
                             tok = T.min(t0 + tt, NT - 1)
                             col = T.min(c0 + c, C - 1)
-                            v = v + T.cast(dx_in[tok, j, col], "float32")
+                            v = v + sum([res[tok, i, j] * T.cast(g[tok, i, col], "float32") for i in lanes])
                         dxf[tt, c] = T.cast(v, dtype)
                     T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
                     T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
@@ -352,17 +410,18 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     if c0 + c < C:
                         dphi_partial[s, k, j * C + c0 + c] = acc_phi[jj][k, c]
 
-    if accumulate:
+    if lanes_grad:
 
         @T.prim_func
-        def lanes_backward_cuda_acc(
+        def lanes_backward_cuda_linked(
             x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), dsplit: T.Tensor((NT, 3, K2), "bfloat16"),
-            coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"), dx_in: T.Tensor((NT, n, C), dtype),
+            coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"), g: T.Tensor((NT, n, C), dtype),
+            res: T.Tensor((NT, n, n), "float32"),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
         ):
-            body(x, dy, dsplit, coef, phi, dx_in, dx, dphi_partial)
+            body(x, dy, dsplit, coef, phi, g, res, dx, dphi_partial)
 
-        return lanes_backward_cuda_acc
+        return lanes_backward_cuda_linked
 
     @T.prim_func
     def lanes_backward_cuda(
@@ -370,7 +429,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"),
         dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
     ):
-        body(x, dy, dsplit, coef, phi, None, dx, dphi_partial)
+        body(x, dy, dsplit, coef, phi, None, None, dx, dphi_partial)
 
     return lanes_backward_cuda
 
@@ -399,14 +458,15 @@ def dphi_from_partial(partial, n: int):
 
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
-                         accumulate: bool = False, lane_splits: int = 1, block_tokens: int = 64,
+                         lanes_grad: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
                          dx_products: int = 3):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial)."""
     t = canonical_target(target)
-    coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
+    coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits,
+                                                                     lanes_grad=lanes_grad), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products}
-    lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, accumulate=accumulate, **lanes_kw), t)
+    lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, lanes_grad=lanes_grad, **lanes_kw), t)
     return coefficients, lanes

@@ -19,7 +19,7 @@ recompute exactly these ops (``MHCResidualStream(recompute_block=...)``).
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -33,7 +33,9 @@ from mhc_lab.reference.mhc import mhc_pre as reference_pre
 from mhc_lab.reference.validate import InputError, require_lanes, require_positive_int, require_tensor
 
 BACKENDS = ("auto", "reference", "kernels")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 KERNEL_MAX_LANES = 8
+LINKED_MAX_LANES_CUDA = 4
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -129,16 +131,20 @@ def _no_autocast(fn):
 @torch.library.custom_op("mhc_lab::pre_forward", mutates_args=())
 @_no_autocast
 def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, n, C] -> (y [T, C], post [T, n], res [T, n, n], pre [T, n], partial [S, T, n^2+2n+1]).
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, n, C] -> (y [T, C], post [T, n], res [T, n, n], pre [T, n], partial [S, T, n^2+2n+1], link).
 
-    Coefficients and partial are float32 (float64 for float64 lanes, reference backend only)."""
+    Coefficients and partial are float32 (float64 for float64 lanes, reference backend only). link stands for
+    the mixed lanes H_res x without holding them (a [T, n, C] view of one zero): post_forward_linked adds
+    H_res x itself, and the gradient it hands back for link (its g, untouched) reaches this op's backward,
+    which owns everything of H_res x's backward (dx += H_res^T g, dH_res += <g_i, x_j>)."""
     tokens, n, C = x.shape
+    link = _link(x)
     if backend == "reference":
         co = mhc_coefficients(x, phi, bias, alpha)
         y = reference_pre(x, co.pre)
         outputs = (y, co.post, co.res, co.pre, _partial_reference(x, phi))
-        return tuple(t.contiguous() for t in outputs)  # the custom op promises contiguous outputs
+        return (*(t.contiguous() for t in outputs), link)  # the custom op promises contiguous outputs
     m = mixes_width(n)
     y = torch.empty((tokens, C), dtype=x.dtype, device=x.device)
     post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
@@ -153,7 +159,7 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
             with torch.cuda.device(x.device):
                 run_pre_cuda(x.contiguous(), phi32, bias32, alpha32, y, pre, post, res, plan="split",
                              partial=partial)
-        return y, post, res, pre, partial
+        return y, post, res, pre, partial, link
     from mhc_lab.kernels.pre import pre_kernel_c, projection_kernel_c
 
     partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
@@ -164,7 +170,11 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
         projection_kernel_c(n, C)(x32, phi32, partial)
         if y32 is not y:
             y.copy_(y32)
-    return y, post, res, pre, partial
+    return y, post, res, pre, partial, link
+
+
+def _link(x: torch.Tensor) -> torch.Tensor:
+    return x.new_zeros(1).expand(x.shape)
 
 
 @pre_forward.register_fake
@@ -178,19 +188,26 @@ def _(x, phi, bias, alpha, backend):
         splits = SPLIT_DEFAULTS["splits"]
     cd = dict(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
     return (x.new_empty((tokens, C)), x.new_empty((tokens, n), **cd), x.new_empty((tokens, n, n), **cd),
-            x.new_empty((tokens, n), **cd), x.new_empty((splits, tokens, m + 1), **cd))
+            x.new_empty((tokens, n), **cd), x.new_empty((splits, tokens, m + 1), **cd), _link(x))
 
 
 @torch.library.custom_op("mhc_lab::pre_backward", mutates_args=())
 @_no_autocast
 def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
-                 partial: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor, backend: str
+                 partial: torch.Tensor, res: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor,
+                 g: Optional[torch.Tensor], backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res."""
+    """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res, and g, the gradient of
+    link (that is, of H_res x) when a post_forward_linked used it."""
     tokens, n, C = x.shape
+    linked = g is not None
     if backend == "reference":
+        cd = res.dtype
+        if linked:  # H_res x's backward: dH_res[i, j] = <g_i, x_j>, dx_j += sum_i H_res[i, j] g_i
+            dres = dres + torch.einsum("...ic,...jc->...ij", g.to(cd), x.to(cd))
         grads = reference_pre_backward(x, phi, bias, alpha, dy, dpost, dres)
-        return tuple(g.to(leaf.dtype).contiguous() for g, leaf in zip(grads, (x, phi, bias, alpha)))
+        dx = grads.x + torch.einsum("...ij,...ic->...jc", res, g.to(cd)) if linked else grads.x
+        return tuple(t.to(leaf.dtype).contiguous() for t, leaf in zip((dx, *grads[1:]), (x, phi, bias, alpha)))
     m = mixes_width(n)
     f32 = dict(dtype=torch.float32, device=x.device)
     dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
@@ -204,27 +221,31 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
 
         splits = _lane_splits(n, C, x.device)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                                   lane_splits=splits)
+                                                   lane_splits=splits, lanes_grad=linked)
+        g_in = [g.contiguous()] if linked else []
+        res_in = [res.float().contiguous()] if linked else []
         dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
         dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
         coef = torch.empty((tokens, coef_width(n)), **f32)
         if tokens:
             with torch.cuda.device(x.device):
                 xc, dyc = x.contiguous(), dy.contiguous()
-                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit, dmix,
-                             extra, dsplit, coef)
-                lanes(xc, dyc, dsplit, coef, phi32, dx, dphi_partial)
+                coefficients(xc, dyc, *g_in, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit,
+                             dmix, extra, dsplit, coef)
+                lanes(xc, dyc, dsplit, coef, phi32, *g_in, *res_in, dx, dphi_partial)
         else:
             dphi_partial.zero_()
         dphi = dphi_from_partial(dphi_partial, n)
     else:
-        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0])
+        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], lanes_grad=linked)
         dphi_partial = torch.empty((1, m, n * C), **f32)
         if tokens:
             x32, dy32 = x.float().contiguous(), dy.float().contiguous()
             dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
-            coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
-            lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, dx32, dphi_partial)
+            g_in = [g.float().contiguous()] if linked else []
+            res_in = [res.float().contiguous()] if linked else []
+            coefficients(x32, dy32, *g_in, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
+            lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, *g_in, *res_in, dx32, dphi_partial)
             if dx32 is not dx:
                 dx.copy_(dx32)
         else:
@@ -234,25 +255,26 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
 
 
 @pre_backward.register_fake
-def _(x, phi, bias, alpha, pre, partial, dy, dpost, dres, backend):
+def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, g, backend):
     return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
 
 
 def _pre_setup_context(ctx, inputs, output):
     x, phi, bias, alpha, backend = inputs
-    _, _, _, pre, partial = output
+    _, _, res, pre, partial, _ = output
     ctx.backend = backend
-    ctx.save_for_backward(x, phi, bias, alpha, pre, partial)
+    ctx.save_for_backward(x, phi, bias, alpha, pre, partial, res)
     ctx.mark_non_differentiable(pre, partial)
 
 
-def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial):
-    x, phi, bias, alpha, pre, partial = ctx.saved_tensors
+def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
+    x, phi, bias, alpha, pre, partial, res = ctx.saved_tensors
     dy = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device) if dy is None else dy
     dpost = torch.zeros_like(pre) if dpost is None else dpost
     dres = torch.zeros((x.shape[0], x.shape[1], x.shape[1]), dtype=pre.dtype, device=x.device) if dres is None else dres
-    dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, dy.contiguous(), dpost.contiguous(),
-                                           dres.contiguous(), ctx.backend)
+    g = None if dlink is None else dlink.contiguous()
+    dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res, dy.contiguous(),
+                                           dpost.contiguous(), dres.contiguous(), g, ctx.backend)
     return dx, dphi, dbias, dalpha, None
 
 
@@ -294,7 +316,7 @@ def post_backward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: tor
     if tokens == 0:
         return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
     if x.device.type == "cuda":
-        dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[x.dtype]
+        dtype = _DTYPE_NAMES[x.dtype]
         with torch.cuda.device(x.device):
             post_backward_kernel(n, C, dtype, "cuda")(x.contiguous(), f.contiguous(), g.contiguous(), post32, res32,
                                                       dx, df, dpost, dres)
@@ -329,6 +351,72 @@ def _post_backward(ctx, g):
 post_forward.register_autograd(_post_backward, setup_context=_post_setup_context)
 
 
+@torch.library.custom_op("mhc_lab::post_forward_linked", mutates_args=())
+@_no_autocast
+def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, post: torch.Tensor,
+                        res: torch.Tensor, backend: str) -> torch.Tensor:
+    """The next lanes link + H_post f, where link (from pre_forward on the same x) stands for H_res x, which is
+    computed here from x and res. Differentiable in link (its gradient is g itself), f and post; x and res
+    are read as values, their gradients through H_res x belong to pre_forward's backward."""
+    return post_forward(x, f, post, res, backend)
+
+
+@post_forward_linked.register_fake
+def _(x, link, f, post, res, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mhc_lab::post_backward_layer", mutates_args=())
+@_no_autocast
+def post_backward_layer(f: torch.Tensor, post: torch.Tensor, g: torch.Tensor, backend: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(df, dpost) of the linked post: df = sum_i H_post[i] g_i, dH_post[i] = <g_i, f>."""
+    tokens, n, C = g.shape
+    if backend == "reference":
+        cd = post.dtype
+        df = torch.einsum("...i,...ic->...c", post, g.to(cd))
+        return df.to(f.dtype).contiguous(), torch.einsum("...ic,...c->...i", g.to(cd), f.to(cd)).contiguous()
+    from mhc_lab.kernels.post_backward import post_backward_layer_kernel
+
+    df = torch.empty_like(f)
+    dpost = torch.empty((tokens, n), dtype=torch.float32, device=g.device)
+    if tokens == 0:
+        return df, dpost.to(post.dtype)
+    post32 = post.float().contiguous()
+    if g.device.type == "cuda":
+        with torch.cuda.device(g.device):
+            post_backward_layer_kernel(n, C, _DTYPE_NAMES[g.dtype], "cuda")(f.contiguous(), g.contiguous(), post32,
+                                                                           df, dpost)
+    else:
+        df32 = df if f.dtype == torch.float32 else torch.empty(f.shape, dtype=torch.float32)
+        post_backward_layer_kernel(n, C, "float32", "c")(f.float().contiguous(), g.float().contiguous(), post32,
+                                                         df32, dpost)
+        if df32 is not df:
+            df.copy_(df32)
+    return df, dpost.to(post.dtype)
+
+
+@post_backward_layer.register_fake
+def _(f, post, g, backend):
+    return torch.empty_like(f), torch.empty_like(post)
+
+
+def _post_linked_setup_context(ctx, inputs, output):
+    _, _, f, post, _, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(f, post)
+
+
+def _post_linked_backward(ctx, g):
+    f, post = ctx.saved_tensors
+    g = g.contiguous()
+    df, dpost = post_backward_layer(f, post, g, ctx.backend)
+    return None, g, df, dpost, None, None
+
+
+post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the public functions
 
@@ -339,24 +427,56 @@ def mhc_pre(x, phi, bias, alpha, *, backend: str = "auto"):
     n, C = _check_site(x, phi, bias, alpha)
     chosen = resolve_backend(backend, x)
     batch = tuple(x.shape[:-2])
-    y, post, res, _, _ = pre_forward(x.reshape(-1, n, C), phi, bias, alpha, chosen)
+    y, post, res, _, _, _ = pre_forward(x.reshape(-1, n, C), phi, bias, alpha, chosen)
     return y.view(*batch, C), post.view(*batch, n), res.view(*batch, n, n)
+
+
+def _check_layer_output(x, layer_output, op: str) -> None:
+    shape = tuple(x.shape[:-2]) + (x.shape[-1],)
+    require_tensor("layer_output", layer_output)
+    if tuple(layer_output.shape) != shape or layer_output.device != x.device:
+        raise InputError(f"{op}: layer_output: expected shape {shape} on {x.device}, got {_describe(layer_output)}")
+    if layer_output.dtype != x.dtype:
+        raise InputError(f"{op}: layer_output: expected dtype {x.dtype} (the lanes'), got {_describe(layer_output)}")
 
 
 def mhc_post(x, layer_output, post, res, *, backend: str = "auto"):
     """The next lanes sum_j H_res[i, j] x_j + H_post[i] layer_output, differentiable in every input."""
     n, C = require_lanes("x", x)
     batch = tuple(x.shape[:-2])
-    for name, value, shape in (("layer_output", layer_output, batch + (C,)), ("post", post, batch + (n,)),
-                               ("res", res, batch + (n, n))):
+    _check_layer_output(x, layer_output, "mhc_post")
+    for name, value, shape in (("post", post, batch + (n,)), ("res", res, batch + (n, n))):
         require_tensor(name, value)
         if tuple(value.shape) != shape or value.device != x.device:
             raise InputError(f"mhc_post: {name}: expected shape {shape} on {x.device}, got {_describe(value)}")
-    if layer_output.dtype != x.dtype:
-        raise InputError(f"mhc_post: layer_output: expected dtype {x.dtype} (the lanes'), got {_describe(layer_output)}")
     chosen = resolve_backend(backend, x)
     out = post_forward(x.reshape(-1, n, C), layer_output.reshape(-1, C), post.reshape(-1, n),
                        res.reshape(-1, n, n), chosen)
+    return out.view(*batch, n, C)
+
+
+def linked_site_applies(backend: str, x: torch.Tensor) -> bool:
+    """Whether mhc_site links the pre and the post (the post's lanes gradient left to the pre's backward):
+    always for the reference and the C target; on CUDA for n <= 4 (kernel 1 keeps n + n^2 reductions)."""
+    return backend == "reference" or x.device.type != "cuda" or x.shape[-2] <= LINKED_MAX_LANES_CUDA
+
+
+def mhc_site(x, phi, bias, alpha, layer, *, backend: str = "auto"):
+    """One whole site, x_next = H_res x + H_post^T layer(H_pre x), the same values as mhc_post(x, layer(y), ...)
+    after mhc_pre, but with the lanes' gradient through H_res x computed once, inside the pre's backward: the
+    post's backward reads g and f and writes df only (6C per token at n = 4 instead of 14C), and the two dx
+    of the separate ops are never added by autograd (12C). layer: a function of [..., C] -> [..., C]."""
+    n, C = _check_site(x, phi, bias, alpha)
+    chosen = resolve_backend(backend, x)
+    if not linked_site_applies(chosen, x):
+        y, post, res = mhc_pre(x, phi, bias, alpha, backend=chosen)
+        return mhc_post(x, layer(y), post, res, backend=chosen)
+    batch = tuple(x.shape[:-2])
+    lanes = x.reshape(-1, n, C)
+    y, post, res, _, _, link = pre_forward(lanes, phi, bias, alpha, chosen)
+    f = layer(y.view(*batch, C))
+    _check_layer_output(x, f, "mhc_site")
+    out = post_forward_linked(lanes, link, f.reshape(-1, C), post, res, chosen)
     return out.view(*batch, n, C)
 
 
@@ -380,8 +500,7 @@ class MHCConnection(nn.Module):
 
     def forward(self, x: torch.Tensor, layer) -> torch.Tensor:
         require_lanes("x", x, n=self.n)
-        y, post, res = mhc_pre(x, self.phi, self.bias, self.alpha, backend=self.backend)
-        return mhc_post(x, layer(y), post, res, backend=self.backend)
+        return mhc_site(x, self.phi, self.bias, self.alpha, layer, backend=self.backend)
 
 
 def recompute_policy(ctx, op, *args, **kwargs):
