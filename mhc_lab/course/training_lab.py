@@ -483,8 +483,8 @@ def load_recorded(name: str = RECORDING) -> dict | None:
     return recorded_or_none(name)
 
 
-SITE_IMPLEMENTATIONS = {"ours": "ours (TileLang)", "tilekernels": "TileKernels", "compiled": "torch.compile",
-                        "eager": "eager"}
+SITE_IMPLEMENTATIONS = {"ours": "ours (TileLang)", "ours_linked": "ours, linked", "tilekernels": "TileKernels",
+                        "compiled": "torch.compile", "eager": "eager"}
 BLOCK_IMPLEMENTATIONS = {"residual": "plain residual", "mhc_ours": "mHC, ours",
                          "mhc_ours_recompute": "mHC, ours + recompute", "mhc_tilekernels": "mHC, TileKernels",
                          "mhc_compiled": "mHC, torch.compile"}
