@@ -36,33 +36,28 @@ def vector_width(C: int, dtype: str) -> int:
     return vec if C % vec == 0 else 1
 
 
-def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, lanes_grad: bool = True,
                           threads: int = 256, block_tokens: int = 4):
     """The tile program of the post backward for n lanes of width C.
 
     Arguments at run time: x [T, n, C], f [T, C], g [T, n, C], post [T, n] f32, res [T, n, n] f32, then the
     outputs dx [T, n, C], df [T, C], dpost [T, n] f32, dres [T, n, n] f32. T is dynamic.
+
+    lanes_grad=False: the linked site's post backward (mhc_lab.ops.training.mhc_site), where the lanes'
+    gradient through H_res x belongs to the pre's backward: arguments f, g, post, then the outputs df and
+    dpost only. It reads g (nC) and f (C) and writes df (C): 6C elements per token at n = 4, not 14C.
     """
     t = _check(n, C, dtype, target)
     NT = T.dynamic("T")
     lanes = list(range(n))
-    NQ = n * n + n
+    NR = n * n if lanes_grad else 0  # dH_res sums, then the n dH_post sums
+    NQ = NR + n
 
     if t == "c":
         BT = block_tokens
 
-        @T.prim_func
-        def post_backward_c(
-            x: T.Tensor((NT, n, C), dtype),
-            f: T.Tensor((NT, C), dtype),
-            g: T.Tensor((NT, n, C), dtype),
-            post: T.Tensor((NT, n), "float32"),
-            res: T.Tensor((NT, n, n), "float32"),
-            dx: T.Tensor((NT, n, C), dtype),
-            df: T.Tensor((NT, C), dtype),
-            dpost: T.Tensor((NT, n), "float32"),
-            dres: T.Tensor((NT, n, n), "float32"),
-        ):
+        @T.macro
+        def body_c(x, f, g, post, res, dx, df, dpost, dres):
             with T.Kernel(T.ceildiv(NT, BT)) as b:
                 acc = T.alloc_local((NQ,), "float32")
                 for tt in T.serial(BT):
@@ -72,17 +67,39 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                             acc[q] = T.float32(0)
                         for c in T.serial(C):
                             gs = [T.cast(g[tok, i, c], "float32") for i in lanes]
-                            for j in lanes:
-                                dx[tok, j, c] = T.cast(sum([res[tok, i, j] * gs[i] for i in lanes]), dtype)
-                                for i in lanes:
-                                    acc[i * n + j] += gs[i] * T.cast(x[tok, j, c], "float32")
+                            if x is not None:
+                                for j in lanes:
+                                    dx[tok, j, c] = T.cast(sum([res[tok, i, j] * gs[i] for i in lanes]), dtype)
+                                    for i in lanes:
+                                        acc[i * n + j] += gs[i] * T.cast(x[tok, j, c], "float32")
                             df[tok, c] = T.cast(sum([post[tok, i] * gs[i] for i in lanes]), dtype)
                             for i in lanes:
-                                acc[n * n + i] += gs[i] * T.cast(f[tok, c], "float32")
+                                acc[NR + i] += gs[i] * T.cast(f[tok, c], "float32")
                         for i in T.serial(n):
-                            dpost[tok, i] = acc[n * n + i]
-                            for j in T.serial(n):
-                                dres[tok, i, j] = acc[i * n + j]
+                            dpost[tok, i] = acc[NR + i]
+                            if x is not None:
+                                for j in T.serial(n):
+                                    dres[tok, i, j] = acc[i * n + j]
+
+        if not lanes_grad:
+
+            @T.prim_func
+            def post_layer_backward_c(
+                f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype), post: T.Tensor((NT, n), "float32"),
+                df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
+            ):
+                body_c(None, f, g, post, None, None, df, dpost, None)
+
+            return post_layer_backward_c
+
+        @T.prim_func
+        def post_backward_c(
+            x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
+            post: T.Tensor((NT, n), "float32"), res: T.Tensor((NT, n, n), "float32"),
+            dx: T.Tensor((NT, n, C), dtype), df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
+            dres: T.Tensor((NT, n, n), "float32"),
+        ):
+            body_c(x, f, g, post, res, dx, df, dpost, dres)
 
         return post_backward_c
 
@@ -91,18 +108,8 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
     STEP = 32 * V
     NS = (C + STEP - 1) // STEP
 
-    @T.prim_func
-    def post_backward_cuda(
-        x: T.Tensor((NT, n, C), dtype),
-        f: T.Tensor((NT, C), dtype),
-        g: T.Tensor((NT, n, C), dtype),
-        post: T.Tensor((NT, n), "float32"),
-        res: T.Tensor((NT, n, n), "float32"),
-        dx: T.Tensor((NT, n, C), dtype),
-        df: T.Tensor((NT, C), dtype),
-        dpost: T.Tensor((NT, n), "float32"),
-        dres: T.Tensor((NT, n, n), "float32"),
-    ):
+    @T.macro
+    def body_cuda(x, f, g, post, res, dx, df, dpost, dres):
         with T.Kernel(T.ceildiv(NT, WARPS), threads=threads) as b:
             coef = T.alloc_local((NQ,), "float32")
             acc = T.alloc_local((NQ,), "float32")
@@ -116,143 +123,78 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
             tok = b * WARPS + tx // 32
             if tok < NT:
                 for i in T.unroll(n):
-                    coef[n * n + i] = post[tok, i]
-                    for j in T.unroll(n):
-                        coef[i * n + j] = res[tok, i, j]
+                    coef[NR + i] = post[tok, i]
+                    if x is not None:
+                        for j in T.unroll(n):
+                            coef[i * n + j] = res[tok, i, j]
                 for q in T.unroll(NQ):
                     acc[q] = T.float32(0)
                 for s in T.serial(NS):
                     c0 = s * STEP + lane * V
                     if c0 < C:
                         for j in T.unroll(n):
-                            for v in T.vectorized(V):
-                                xv[j, v] = x[tok, j, c0 + v]
+                            if x is not None:
+                                for v in T.vectorized(V):
+                                    xv[j, v] = x[tok, j, c0 + v]
                             for v in T.vectorized(V):
                                 gv[j, v] = g[tok, j, c0 + v]
                         for v in T.vectorized(V):
                             fv[v] = f[tok, c0 + v]
                         for v in T.unroll(V):
                             gs = [T.cast(gv[i, v], "float32") for i in lanes]
-                            xs = [T.cast(xv[j, v], "float32") for j in lanes]
                             fs = T.cast(fv[v], "float32")
-                            for j in lanes:
-                                dxv[j, v] = T.cast(sum([coef[i * n + j] * gs[i] for i in lanes]), dtype)
-                            dfv[v] = T.cast(sum([coef[n * n + i] * gs[i] for i in lanes]), dtype)
-                            for i in lanes:
+                            if x is not None:
+                                xs = [T.cast(xv[j, v], "float32") for j in lanes]
                                 for j in lanes:
-                                    acc[i * n + j] += gs[i] * xs[j]
-                                acc[n * n + i] += gs[i] * fs
-                        for j in T.unroll(n):
-                            for v in T.vectorized(V):
-                                dx[tok, j, c0 + v] = dxv[j, v]
+                                    dxv[j, v] = T.cast(sum([coef[i * n + j] * gs[i] for i in lanes]), dtype)
+                            dfv[v] = T.cast(sum([coef[NR + i] * gs[i] for i in lanes]), dtype)
+                            for i in lanes:
+                                if x is not None:
+                                    for j in lanes:
+                                        acc[i * n + j] += gs[i] * xs[j]
+                                acc[NR + i] += gs[i] * fs
+                        if x is not None:
+                            for j in T.unroll(n):
+                                for v in T.vectorized(V):
+                                    dx[tok, j, c0 + v] = dxv[j, v]
                         for v in T.vectorized(V):
                             df[tok, c0 + v] = dfv[v]
                 for q in T.unroll(NQ):
                     acc[q] = T.warp_reduce_sum(acc[q])
                 if lane == 0:
                     for i in T.unroll(n):
-                        dpost[tok, i] = acc[n * n + i]
-                        for j in T.unroll(n):
-                            dres[tok, i, j] = acc[i * n + j]
+                        dpost[tok, i] = acc[NR + i]
+                        if x is not None:
+                            for j in T.unroll(n):
+                                dres[tok, i, j] = acc[i * n + j]
+
+    if not lanes_grad:
+
+        @T.prim_func
+        def post_layer_backward_cuda(
+            f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype), post: T.Tensor((NT, n), "float32"),
+            df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
+        ):
+            body_cuda(None, f, g, post, None, None, df, dpost, None)
+
+        return post_layer_backward_cuda
+
+    @T.prim_func
+    def post_backward_cuda(
+        x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
+        post: T.Tensor((NT, n), "float32"), res: T.Tensor((NT, n, n), "float32"),
+        dx: T.Tensor((NT, n, C), dtype), df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
+        dres: T.Tensor((NT, n, n), "float32"),
+    ):
+        body_cuda(x, f, g, post, res, dx, df, dpost, dres)
 
     return post_backward_cuda
 
 
-def post_backward_layer_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                                threads: int = 256, block_tokens: int = 4):
-    """The post backward when the lanes' gradient is left to the pre backward (``ops.training``'s linked site:
-    the pre hands the post H_res x, whose gradient is g itself): only df = sum_i H_post[i] g_i and
-    dH_post[i] = <g_i, f>. Reads g (nC) and f (C), writes df (C): 6C elements per token at n = 4, not 14C.
-
-    Arguments at run time: f [T, C], g [T, n, C], post [T, n] f32, then the outputs df [T, C], dpost [T, n] f32.
-    """
-    t = _check(n, C, dtype, target)
-    NT = T.dynamic("T")
-    lanes = list(range(n))
-
-    if t == "c":
-        BT = block_tokens
-
-        @T.prim_func
-        def post_layer_backward_c(
-            f: T.Tensor((NT, C), dtype),
-            g: T.Tensor((NT, n, C), dtype),
-            post: T.Tensor((NT, n), "float32"),
-            df: T.Tensor((NT, C), dtype),
-            dpost: T.Tensor((NT, n), "float32"),
-        ):
-            with T.Kernel(T.ceildiv(NT, BT)) as b:
-                acc = T.alloc_local((n,), "float32")
-                for tt in T.serial(BT):
-                    tok = b * BT + tt
-                    if tok < NT:
-                        for i in T.serial(n):
-                            acc[i] = T.float32(0)
-                        for c in T.serial(C):
-                            gs = [T.cast(g[tok, i, c], "float32") for i in lanes]
-                            df[tok, c] = T.cast(sum([post[tok, i] * gs[i] for i in lanes]), dtype)
-                            for i in lanes:
-                                acc[i] += gs[i] * T.cast(f[tok, c], "float32")
-                        for i in T.serial(n):
-                            dpost[tok, i] = acc[i]
-
-        return post_layer_backward_c
-
-    V = vector_width(C, dtype)
-    WARPS = threads // 32
-    STEP = 32 * V
-    NS = (C + STEP - 1) // STEP
-
-    @T.prim_func
-    def post_layer_backward_cuda(
-        f: T.Tensor((NT, C), dtype),
-        g: T.Tensor((NT, n, C), dtype),
-        post: T.Tensor((NT, n), "float32"),
-        df: T.Tensor((NT, C), dtype),
-        dpost: T.Tensor((NT, n), "float32"),
-    ):
-        with T.Kernel(T.ceildiv(NT, WARPS), threads=threads) as b:
-            coef = T.alloc_local((n,), "float32")
-            acc = T.alloc_local((n,), "float32")
-            gv = T.alloc_local((n, V), dtype)
-            fv = T.alloc_local((V,), dtype)
-            dfv = T.alloc_local((V,), dtype)
-            tx = T.get_thread_binding()
-            lane = tx % 32
-            tok = b * WARPS + tx // 32
-            if tok < NT:
-                for i in T.unroll(n):
-                    coef[i] = post[tok, i]
-                    acc[i] = T.float32(0)
-                for s in T.serial(NS):
-                    c0 = s * STEP + lane * V
-                    if c0 < C:
-                        for i in T.unroll(n):
-                            for v in T.vectorized(V):
-                                gv[i, v] = g[tok, i, c0 + v]
-                        for v in T.vectorized(V):
-                            fv[v] = f[tok, c0 + v]
-                        for v in T.unroll(V):
-                            gs = [T.cast(gv[i, v], "float32") for i in lanes]
-                            fs = T.cast(fv[v], "float32")
-                            dfv[v] = T.cast(sum([coef[i] * gs[i] for i in lanes]), dtype)
-                            for i in lanes:
-                                acc[i] += gs[i] * fs
-                        for v in T.vectorized(V):
-                            df[tok, c0 + v] = dfv[v]
-                for i in T.unroll(n):
-                    acc[i] = T.warp_reduce_sum(acc[i])
-                if lane == 0:
-                    for i in T.unroll(n):
-                        dpost[tok, i] = acc[i]
-
-    return post_layer_backward_cuda
-
-
 @functools.lru_cache(maxsize=None)
 def post_backward_layer_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
-    """The compiled post_backward_layer_program (cached per process): ``kernel(f, g, post, df, dpost)``."""
-    return compile_program(post_backward_layer_program(n, C, dtype, target), target)
+    """The linked site's post backward, compiled (cached per process): ``kernel(f, g, post, df, dpost)``."""
+    return compile_program(post_backward_program(n, C, dtype, target, lanes_grad=False), target)
 
 
 @functools.lru_cache(maxsize=None)
