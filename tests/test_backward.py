@@ -376,3 +376,22 @@ def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
         rel = float((a.double() - b).norm() / b.norm())
         assert rel < 2e-2, (name, rel)
         assert torch.equal(a, again), f"{name}: two runs differ (the backward must be deterministic)"
+
+
+def test_training_benchmark_times_every_op_it_names():
+    """The benchmark's per-op timings call the custom ops with their current signatures (here on the CPU,
+    through the C target, with a stand-in timer that runs each call once)."""
+    from mhc_lab.course.bench_training import _site_components
+
+    x, phi, bias, alpha, _ = (t.float() for t in _site_inputs((9,), 4, 16))
+    g = _upstream((9,), 4, 16)[3].float()
+    calls = []
+
+    def bench(fn):
+        calls.append(fn())
+        return 1e-3
+
+    times = _site_components(x, phi, bias, alpha, g, bench)
+    assert set(times) == {"fwd.pre", "fwd.post", "bwd.post", "bwd.pre", "bwd.add_dx", "bwd.post_linked",
+                          "bwd.pre_linked"}
+    assert len(calls) == len(times)

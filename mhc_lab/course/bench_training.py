@@ -127,16 +127,20 @@ def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
 def _site_components(x, phi, bias, alpha, g, bench) -> dict:
     """Each of our kernels alone (forward ops and backward ops), for the byte accounting."""
     ops = torch.ops.mhc_lab
-    tokens, n, C = x.shape
-    y, post, res, pre, partial = ops.pre_forward(x, phi, bias, alpha, "kernels")
+    y, post, res, pre, partial, _ = ops.pre_forward(x, phi, bias, alpha, "kernels")
     f = y
-    dy = torch.randn_like(y)
+    dy, dpost, dres = torch.randn_like(y), torch.randn_like(post), torch.randn_like(res)
     return {
         "fwd.pre": bench(lambda: ops.pre_forward(x, phi, bias, alpha, "kernels")) * 1e3,
         "fwd.post": bench(lambda: ops.post_forward(x, f, post, res, "kernels")) * 1e3,
         "bwd.post": bench(lambda: ops.post_backward(x, f, post, res, g, "kernels")) * 1e3,
-        "bwd.pre": bench(lambda: ops.pre_backward(x, phi, bias, alpha, pre, partial, dy, post, res, "kernels")) * 1e3,
+        "bwd.pre": bench(lambda: ops.pre_backward(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, None,
+                                                  "kernels")) * 1e3,
         "bwd.add_dx": bench(lambda: x + x) * 1e3,
+        # the linked site's backward: the post's layer part, and the pre's backward that owns H_res x's
+        "bwd.post_linked": bench(lambda: ops.post_backward_layer(f, post, g, "kernels")) * 1e3,
+        "bwd.pre_linked": bench(lambda: ops.pre_backward(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres,
+                                                         g, "kernels")) * 1e3,
     }
 
 
@@ -149,15 +153,15 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
 
     x, phi, bias, alpha = _inputs(tokens, C, seed=2)
     ops = torch.ops.mhc_lab
-    y, post, res, pre, partial = ops.pre_forward(x, phi, bias, alpha, "kernels")
-    dy = torch.randn_like(y)
+    y, post, res, pre, partial, _ = ops.pre_forward(x, phi, bias, alpha, "kernels")
+    dy, dpost, dres = torch.randn_like(y), torch.randn_like(post), torch.randn_like(res)
     n, m = N, N * N + 2 * N
     f32 = dict(dtype=torch.float32, device="cuda")
     dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
     coefficients, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0])
     dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device="cuda")
     coef = torch.empty((tokens, coef_width(n)), **f32)
-    args1 = (x, dy, partial, bias, alpha, post, res, pre, dpre, dlogit, dmix, extra, dsplit, coef)
+    args1 = (x, dy, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
     coefficients(*args1)
     out = {"tokens": tokens, "C": C, "coefficients_ms": bench(lambda: coefficients(*args1)) * 1e3, "lanes": [],
            "coefficients": []}
