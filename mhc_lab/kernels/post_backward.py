@@ -81,27 +81,7 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                                 for j in T.serial(n):
                                     dres[tok, i, j] = acc[i * n + j]
 
-        if not lanes_grad:
-
-            @T.prim_func
-            def post_layer_backward_c(
-                f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype), post: T.Tensor((NT, n), "float32"),
-                df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
-            ):
-                body_c(None, f, g, post, None, None, df, dpost, None)
-
-            return post_layer_backward_c
-
-        @T.prim_func
-        def post_backward_c(
-            x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
-            post: T.Tensor((NT, n), "float32"), res: T.Tensor((NT, n, n), "float32"),
-            dx: T.Tensor((NT, n, C), dtype), df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
-            dres: T.Tensor((NT, n, n), "float32"),
-        ):
-            body_c(x, f, g, post, res, dx, df, dpost, dres)
-
-        return post_backward_c
+        return _post_backward_func(body_c, n, C, dtype, NT, lanes_grad)
 
     V = vector_width(C, dtype)
     WARPS = threads // 32
@@ -168,27 +148,33 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                             for j in T.unroll(n):
                                 dres[tok, i, j] = acc[i * n + j]
 
+    return _post_backward_func(body_cuda, n, C, dtype, NT, lanes_grad)
+
+
+def _post_backward_func(body, n, C, dtype, NT, lanes_grad):
+    """The PrimFunc around a target's body (C or CUDA): the whole post backward, or (lanes_grad=False) only
+    its layer part."""
     if not lanes_grad:
 
         @T.prim_func
-        def post_layer_backward_cuda(
+        def post_layer_backward(
             f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype), post: T.Tensor((NT, n), "float32"),
             df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
         ):
-            body_cuda(None, f, g, post, None, None, df, dpost, None)
+            body(None, f, g, post, None, None, df, dpost, None)
 
-        return post_layer_backward_cuda
+        return post_layer_backward
 
     @T.prim_func
-    def post_backward_cuda(
+    def post_backward(
         x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
         post: T.Tensor((NT, n), "float32"), res: T.Tensor((NT, n, n), "float32"),
         dx: T.Tensor((NT, n, C), dtype), df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
         dres: T.Tensor((NT, n, n), "float32"),
     ):
-        body_cuda(x, f, g, post, res, dx, df, dpost, dres)
+        body(x, f, g, post, res, dx, df, dpost, dres)
 
-    return post_backward_cuda
+    return post_backward
 
 
 @functools.lru_cache(maxsize=None)
