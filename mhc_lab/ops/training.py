@@ -30,20 +30,22 @@ from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes
 from mhc_lab.reference.mhc import mhc_coefficients, mhc_identity_init, mixes_width
 from mhc_lab.reference.mhc import mhc_post as reference_post
 from mhc_lab.reference.mhc import mhc_pre as reference_pre
-from mhc_lab.reference.validate import InputError, require_lanes, require_positive_int, require_tensor
+from mhc_lab.ops.forward import _DTYPE_NAMES, _describe
+from mhc_lab.reference.validate import (
+    InputError,
+    coefficient_dtype,
+    require_lanes,
+    require_positive_int,
+    require_tensor,
+)
 
 BACKENDS = ("auto", "reference", "kernels")
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 KERNEL_MAX_LANES = 8
 LINKED_MAX_LANES_CUDA = 4
 
 
 # ----------------------------------------------------------------------------------------------------------
 # input checks and dispatch
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
 def kernels_apply(x: torch.Tensor) -> tuple[bool, str]:
@@ -78,17 +80,17 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return "kernels" if ok and x.device.type == "cuda" else "reference"
 
 
-def _check_site(x, phi, bias, alpha) -> tuple[int, int]:
+def _check_site(x, phi, bias, alpha, op: str) -> tuple[int, int]:
     n, C = require_lanes("x", x)
     m = mixes_width(n)
     for name, value, shape in (("phi", phi, (m, n * C)), ("bias", bias, (m,)), ("alpha", alpha, (3,))):
         require_tensor(name, value)
         if tuple(value.shape) != shape:
-            raise InputError(f"mhc_pre: {name}: expected shape {shape} for n = {n}, C = {C}, got {_describe(value)}")
+            raise InputError(f"{op}: {name}: expected shape {shape} for n = {n}, C = {C}, got {_describe(value)}")
         if value.device != x.device:
-            raise InputError(f"mhc_pre: {name}: expected device {x.device} (the lanes'), got {_describe(value)}")
+            raise InputError(f"{op}: {name}: expected device {x.device} (the lanes'), got {_describe(value)}")
         if not value.is_floating_point():
-            raise InputError(f"mhc_pre: {name}: expected a floating-point tensor, got {_describe(value)}")
+            raise InputError(f"{op}: {name}: expected a floating-point tensor, got {_describe(value)}")
     return n, C
 
 
@@ -99,12 +101,14 @@ def _check_site(x, phi, bias, alpha) -> tuple[int, int]:
 def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     """[1, T, n^2+2n+1]: the raw projections and sum of squares the backward starts from."""
     tokens, n, C = x.shape
-    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cd = coefficient_dtype(x)
     flat = x.reshape(tokens, n * C).to(cd)
     return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
 
 
-LANE_CTAS_PER_SM = 2  # the pre backward's lane kernel: CTAs wanted per SM (tuned on the H200)
+# The pre backward's lane kernel: CTAs wanted per SM. On the H200 at 16384 x 4096, token splits of 2, 4 and 8
+# (about 1, 2 and 4 CTAs per SM) timed within 3% of each other (training_h200.json, sweeps).
+LANE_CTAS_PER_SM = 2
 
 
 def _lane_splits(n: int, C: int, device: torch.device) -> int:
@@ -186,7 +190,7 @@ def _(x, phi, bias, alpha, backend):
         from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
 
         splits = SPLIT_DEFAULTS["splits"]
-    cd = dict(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
+    cd = dict(dtype=coefficient_dtype(x), device=x.device)
     return (x.new_empty((tokens, C)), x.new_empty((tokens, n), **cd), x.new_empty((tokens, n, n), **cd),
             x.new_empty((tokens, n), **cd), x.new_empty((splits, tokens, m + 1), **cd), _link(x))
 
@@ -424,7 +428,7 @@ post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post
 def mhc_pre(x, phi, bias, alpha, *, backend: str = "auto"):
     """(layer input H_pre x [..., C], H_post [..., n] f32, H_res [..., n, n] f32), differentiable in x, phi,
     bias and alpha. DeepSeek-V4 convention, 20 Sinkhorn rounds (mhc_lab.reference.mhc_coefficients)."""
-    n, C = _check_site(x, phi, bias, alpha)
+    n, C = _check_site(x, phi, bias, alpha, "mhc_pre")
     chosen = resolve_backend(backend, x)
     batch = tuple(x.shape[:-2])
     y, post, res, _, _, _ = pre_forward(x.reshape(-1, n, C), phi, bias, alpha, chosen)
@@ -466,7 +470,7 @@ def mhc_site(x, phi, bias, alpha, layer, *, backend: str = "auto"):
     after mhc_pre, but with the lanes' gradient through H_res x computed once, inside the pre's backward: the
     post's backward reads g and f and writes df only (6C per token at n = 4 instead of 14C), and the two dx
     of the separate ops are never added by autograd (12C). layer: a function of [..., C] -> [..., C]."""
-    n, C = _check_site(x, phi, bias, alpha)
+    n, C = _check_site(x, phi, bias, alpha, "mhc_site")
     chosen = resolve_backend(backend, x)
     if not linked_site_applies(chosen, x):
         y, post, res = mhc_pre(x, phi, bias, alpha, backend=chosen)
