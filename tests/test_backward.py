@@ -395,3 +395,14 @@ def test_training_benchmark_times_every_op_it_names():
     assert set(times) == {"fwd.pre", "fwd.post", "bwd.post", "bwd.pre", "bwd.add_dx", "bwd.post_linked",
                           "bwd.pre_linked"}
     assert len(calls) == len(times)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_lab07_pass_table_is_the_bytes_model(n):
+    """Lab 07's named passes of a site move what the library's byte model ("mhc_minimal") says, per direction."""
+    from mhc_lab.course import bytes_model
+    from mhc_lab.course.training_lab import site_elements
+
+    for direction in bytes_model.DIRECTIONS:
+        lanes = sum(r + w for name, (r, w) in site_elements(n).items() if name.startswith(direction))
+        assert lanes == bytes_model.total("mhc_minimal", n, direction).moved.per_C, direction

@@ -26,6 +26,7 @@ import time
 import torch
 from torch import nn
 
+from mhc_lab.course import bytes_model
 from mhc_lab.course.bench_forward import _inputs, _rel, _tilekernels, _timer, copy_bandwidth
 from mhc_lab.course.measure import save_recording
 from mhc_lab.ops import training as _training_ops  # noqa: F401  (registers torch.ops.mhc_lab.*)
@@ -42,7 +43,7 @@ def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> di
     least: forward 14C (pre reads nC, writes C; post reads (n+1)C, writes nC) + backward: post reads g, x, f
     and writes dx, df ((2n+1) + (n+1) C), pre reads dy and x and writes dx (n+1 + n C, with the post's dx
     added in the same pass): 41 C elements at n = 4."""
-    least = (2 * n + 1 + n + 1) + (2 * n + 1 + n + 1) + (n + 1 + n + n)
+    least = sum(bytes_model.total("mhc_minimal", n, d).moved.per_C for d in bytes_model.DIRECTIONS)
     # ours: split pre reads x twice; post; post backward; pre backward reads x and dy twice (kernel 1 and 2),
     # writes dx; autograd adds the two dx (reads 2nC, writes nC)
     ours = (2 * n + 1) + (2 * n + 1) + (3 * n + 2) + (n + 1) + (2 * n + 1) + 3 * n

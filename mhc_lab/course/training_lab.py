@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from mhc_lab.course import bytes_model
 from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
     recorded_or_none, recording_label, synchronize, time_fn,
 )
@@ -96,7 +97,8 @@ def relative_errors(got: dict, reference: dict) -> dict:
 # (read, written) lane-wide elements per token and site, in units of C, for n lanes. Each tensor is read once and
 # written once (the least any implementation must move); the O(n^2) coefficients are left out.
 def site_elements(n: int) -> dict[str, tuple[int, int]]:
-    """Least lane-wide elements (read, written) per token of one site's passes, in units of C."""
+    """Least lane-wide elements (read, written) per token of one site's passes, in units of C: the lanes part
+    of bytes_model's "mhc_minimal" rows, named for lab 07 (tests/test_backward.py keeps the two equal)."""
     return {
         "forward pre   (x -> y = H_pre x)": (n, 1),
         "forward post  (x, f -> H_res x + H_post f)": (n + 1, n),
@@ -127,9 +129,8 @@ def bytes_table(n: int, C: int, itemsize: int = 2) -> str:
 def site_total_elements(n: int, recompute: bool = False) -> int:
     """Least lane-wide elements per token of one site's forward + backward (units of C); with recompute, the
     forward's mHC part runs a second time in the backward."""
-    forward = sum(r + w for name, (r, w) in site_elements(n).items() if name.startswith("forward"))
-    total = sum(r + w for r, w in site_elements(n).values())
-    return total + (forward if recompute else 0)
+    forward, backward = (bytes_model.total("mhc_minimal", n, d).moved.per_C for d in bytes_model.DIRECTIONS)
+    return forward + backward + (forward if recompute else 0)
 
 
 def overhead_floor(n: int, C: int, tokens: int, block_ms: float, bandwidth_gbps: float, *, sites: int = 2,
