@@ -343,8 +343,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
-    LG = lane_group or lane_tiling(n)[0]
-    BC = block_c or lane_tiling(n)[1]
+    default_lanes, default_columns = lane_tiling(n)
+    LG, BC = lane_group or default_lanes, block_c or default_columns
     if n % LG:
         raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
     group = list(range(LG))
