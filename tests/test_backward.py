@@ -66,6 +66,15 @@ def test_reference_pre_backward_equals_autograd(n, C, lead):
         assert _relmax(a, b) < 1e-12, name
 
 
+def test_reference_pre_backward_stays_on_the_lanes_device():
+    """No tensor of the reference backward is made on the default device (meta: shapes only, any device)."""
+    x, phi, bias, alpha, _ = (t.to("meta") for t in _site_inputs((3,), 4, 5))
+    dy, dpost, dres, _ = (t.to("meta") for t in _upstream((3,), 4, 5))
+    grads = pre_backward(x, phi, bias, alpha, dy, dpost, dres)
+    assert all(g.device.type == "meta" for g in grads)
+    assert [tuple(g.shape) for g in grads] == [(3, 4, 5), (24, 20), (24,), (3,)]
+
+
 @pytest.mark.parametrize("n,C,lead", [(1, 5, (3,)), (4, 33, (2, 3)), (8, 2, (1,))])
 def test_reference_post_backward_equals_autograd(n, C, lead):
     x, _, _, _, f = _site_inputs(lead, n, C, seed=n)

@@ -102,7 +102,7 @@ def pre_backward(x, phi, bias, alpha, grad_layer_input, grad_post, grad_res, *, 
         dpost * 2 * s_post * (1 - s_post),
         sinkhorn_backward(logits[2].reshape(*logits[2].shape[:-1], n, n), dres, iterations, eps).flatten(-2),
     ], dim=-1)
-    scale = torch.cat([alpha[g] * torch.ones(sl.stop - sl.start, dtype=cd) for g, sl in enumerate(groups)])
+    scale = torch.cat([alpha[g].expand(sl.stop - sl.start) for g, sl in enumerate(groups)])  # alpha per logit
     dmix = dlogit * scale * r
     per_group = torch.stack([(dlogit[..., sl] * mix[..., sl]).sum(-1) for sl in groups], dim=-1)  # [..., 3]
     dr = (per_group * alpha).sum(-1, keepdim=True)
