@@ -43,22 +43,20 @@ def _sinkhorn_macros(n: int, eps: float):
                 comb[i * n + j] = comb[i * n + j] * total
 
     @T.macro
-    def column_step(comb, inv, step):
-        for j in T.unroll(n):
-            scale = T.float32(1.0) / (sum([comb[i * n + j] for i in rows]) + T.float32(eps))
+    def normalise(comb, inv, step, at):
+        """One Sinkhorn step over the n lines of comb; at(line, k) is the flat index of a line's k-th entry."""
+        for a in T.unroll(n):
+            scale = T.float32(1.0) / (sum([comb[at(a, b)] for b in rows]) + T.float32(eps))
             if inv is not None:
-                inv[step * n + j] = scale
-            for i in T.unroll(n):
-                comb[i * n + j] = comb[i * n + j] * scale
+                inv[step * n + a] = scale
+            for b in T.unroll(n):
+                comb[at(a, b)] = comb[at(a, b)] * scale
 
-    @T.macro
+    def column_step(comb, inv, step):
+        normalise(comb, inv, step, lambda j, i: i * n + j)
+
     def row_step(comb, inv, step):
-        for i in T.unroll(n):
-            scale = T.float32(1.0) / (sum([comb[i * n + j] for j in rows]) + T.float32(eps))
-            if inv is not None:
-                inv[step * n + i] = scale
-            for j in T.unroll(n):
-                comb[i * n + j] = comb[i * n + j] * scale
+        normalise(comb, inv, step, lambda i, j: i * n + j)
 
     return softmax_rows, column_step, row_step
 
@@ -123,20 +121,19 @@ def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps:
     softmax_rows, column_step, row_step = _sinkhorn_macros(n, eps)
 
     @T.macro
-    def column_step_backward(comb, dcomb, inv, step):
-        for j in T.unroll(n):
-            dot = sum([dcomb[i * n + j] * comb[i * n + j] for i in rows])
-            for i in T.unroll(n):
-                dcomb[i * n + j] = (dcomb[i * n + j] - dot) * inv[step * n + j]
-                comb[i * n + j] = comb[i * n + j] / inv[step * n + j]
+    def normalise_backward(comb, dcomb, inv, step, at):
+        """The backward of one step: dP = (dQ - <dQ, Q>_line) * reciprocal, then P = Q / reciprocal."""
+        for a in T.unroll(n):
+            dot = sum([dcomb[at(a, b)] * comb[at(a, b)] for b in rows])
+            for b in T.unroll(n):
+                dcomb[at(a, b)] = (dcomb[at(a, b)] - dot) * inv[step * n + a]
+                comb[at(a, b)] = comb[at(a, b)] / inv[step * n + a]
 
-    @T.macro
+    def column_step_backward(comb, dcomb, inv, step):
+        normalise_backward(comb, dcomb, inv, step, lambda j, i: i * n + j)
+
     def row_step_backward(comb, dcomb, inv, step):
-        for i in T.unroll(n):
-            dot = sum([dcomb[i * n + j] * comb[i * n + j] for j in rows])
-            for j in T.unroll(n):
-                dcomb[i * n + j] = (dcomb[i * n + j] - dot) * inv[step * n + i]
-                comb[i * n + j] = comb[i * n + j] / inv[step * n + i]
+        normalise_backward(comb, dcomb, inv, step, lambda i, j: i * n + j)
 
     @T.macro
     def coefficients_backward(mix, alpha, bias, dpre, dpost, dres, comb, dcomb, inv, dlogit, dmix, extra):
