@@ -259,6 +259,28 @@ def test_ops_gradients_match_float64(backend, dtype, tol, n, C, linked):
         assert _relmax(a, b) < tol, name
 
 
+@pytest.mark.parametrize("backend", ["reference", "kernels"])
+@pytest.mark.parametrize("linked", [False, True])
+def test_pre_backward_takes_the_links_gradient_only_from_a_linked_site(monkeypatch, backend, linked):
+    # the separate site (mhc_pre then mhc_post) leaves pre_forward's link unused: its backward must get g = None
+    # and run the cheaper unlinked kernels, not a zero g of the lanes' size (same gradients, 8C more bytes)
+    from mhc_lab.ops import training
+
+    seen = []
+    real = training.pre_backward
+
+    def spy(*args):
+        seen.append(args[10] is not None)
+        return real(*args)
+
+    monkeypatch.setattr(training, "pre_backward", spy)
+    x, phi, bias, alpha, _ = _site_inputs((3,), 4, 8, seed=2, dtype=torch.float32)
+    leaves = [t.float().requires_grad_() for t in (x, phi, bias, alpha)]
+    out = _site(backend, *leaves, torch.eye(8, dtype=torch.float64), linked)
+    torch.autograd.grad(out, leaves, torch.randn_like(out))
+    assert seen == [linked]
+
+
 class _Layer(torch.nn.Module):
     def __init__(self, width):
         super().__init__()

@@ -269,6 +269,9 @@ def _pre_setup_context(ctx, inputs, output):
     ctx.backend = backend
     ctx.save_for_backward(x, phi, bias, alpha, pre, partial, res)
     ctx.mark_non_differentiable(pre, partial)
+    # an unused output's gradient must arrive as None: materialised, the unused link would hand the backward a
+    # zero g of [T, n, C] and turn a separate site's pre backward into the linked one (more bytes, same result)
+    ctx.set_materialize_grads(False)
 
 
 def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
