@@ -120,14 +120,13 @@ def test_post_backward_kernel_c_target(n, C, tokens):
 @pytest.mark.parametrize("linked", [False, True])
 @pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
 def test_pre_backward_kernels_c_target(n, C, tokens, linked):
-    """linked: the pre's backward also owns the gradient g of H_res x (dH_res += <g_i, x_j>, dx += H_res^T g)."""
+    """linked: the pre's backward also adds the lanes' gradient through H_res x, dx += H_res^T g."""
     from mhc_lab.kernels.pre_backward import pre_backward_kernels
 
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens)
     dy, dpost, dres, g = _upstream((tokens,), n, C, seed=tokens + 2)
     coefficients_ref = mhc_coefficients(x, phi, bias, alpha)
-    dres_total = dres + (torch.einsum("tic,tjc->tij", g, x) if linked else 0)
-    want = pre_backward(x, phi, bias, alpha, dy, dpost, dres_total)
+    want = pre_backward(x, phi, bias, alpha, dy, dpost, dres)
     want_dx = want.x + (torch.einsum("tij,tic->tjc", coefficients_ref.res, g) if linked else 0)
     m = n * n + 2 * n
     flat = x.reshape(tokens, n * C)
@@ -136,8 +135,7 @@ def test_pre_backward_kernels_c_target(n, C, tokens, linked):
     coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", lanes_grad=linked)
     nan = float("nan")
     dpre, dlogit, dmix, extra = (torch.full((tokens, k), nan) for k in (n, m, m, 4))
-    g_in = [g.float()] if linked else []
-    coefficients(x.float(), dy.float(), *g_in, partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
+    coefficients(x.float(), dy.float(), partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
                  dpre, dlogit, dmix, extra)
     dx, dphi = torch.full(x.shape, nan), torch.full((1, m, n * C), nan)
     lanes_in = [g.float(), coefficients_ref.res.float().contiguous()] if linked else []
@@ -150,28 +148,31 @@ def test_pre_backward_kernels_c_target(n, C, tokens, linked):
 
 
 @pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
-def test_post_backward_layer_kernel_c_target(n, C, tokens):
-    from mhc_lab.kernels.post_backward import post_backward_layer_kernel
+def test_post_backward_linked_kernel_c_target(n, C, tokens):
+    from mhc_lab.kernels.post_backward import post_backward_linked_kernel
 
-    _, _, _, _, f = _site_inputs((tokens,), n, C, seed=tokens)
+    x, _, _, _, f = _site_inputs((tokens,), n, C, seed=tokens)
     g = _upstream((tokens,), n, C, seed=tokens + 1)[3]
     post = torch.rand(tokens, n, dtype=torch.float64) * 2
-    df, dpost = torch.full((tokens, C), float("nan")), torch.full((tokens, n), float("nan"))
-    post_backward_layer_kernel(n, C, "float32", "c")(f.float(), g.float(), post.float(), df, dpost)
+    nan = float("nan")
+    df, dpost, dres = torch.full((tokens, C), nan), torch.full((tokens, n), nan), torch.full((tokens, n, n), nan)
+    post_backward_linked_kernel(n, C, "float32", "c")(x.float(), f.float(), g.float(), post.float(), df, dpost, dres)
     assert _relmax(df, torch.einsum("ti,tic->tc", post, g)) < 1e-5
     assert _relmax(dpost, torch.einsum("tic,tc->ti", g, f)) < 1e-5
+    assert _relmax(dres, torch.einsum("tic,tjc->tij", g, x)) < 1e-5
 
 
 needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found: the sm_90 build check needs it")
 
 
 @needs_nvcc
+@pytest.mark.parametrize("linked", [False, True])
 @pytest.mark.parametrize("n,C,dtype", [(4, 4096, "bfloat16"), (8, 100, "float16"), (1, 7, "float32")])
-def test_post_backward_builds_for_sm90(n, C, dtype):
+def test_post_backward_builds_for_sm90(n, C, dtype, linked):
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.post_backward import post_backward_program
 
-    kernel = compile_program(post_backward_program(n, C, dtype, "sm_90"), "sm_90")
+    kernel = compile_program(post_backward_program(n, C, dtype, "sm_90", lanes_grad=not linked), "sm_90")
     source = kernel.get_kernel_source()
     assert "warp_reduce_sum" in source
     if C % 8 == 0 and dtype != "float32":
@@ -179,14 +180,14 @@ def test_post_backward_builds_for_sm90(n, C, dtype):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("n,C,linked,splits", [(4, 4096, False, 4), (4, 4096, True, 4), (4, 136, True, 4), (2, 100, True, 1),
-                                                     (8, 24, False, 2)])
+@pytest.mark.parametrize("n,C,linked,splits", [(4, 4096, False, 4), (4, 4096, True, 4), (4, 136, True, 4),
+                                               (2, 100, True, 1), (8, 24, False, 2), (8, 24, True, 2)])
 def test_pre_backward_builds_for_sm90(n, C, linked, splits):
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program, pre_backward_lanes_program
 
-    coefficients = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=splits,
-                                                                     lanes_grad=linked), "sm_90")
+    coefficients = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=splits),
+                                   "sm_90")
     assert "float inv[" in coefficients.get_kernel_source()  # Sinkhorn's reciprocals stay on chip
     lanes = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", lanes_grad=linked,
                                                        splits=2), "sm_90")

@@ -47,9 +47,9 @@ def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> di
     # ours: split pre reads x twice; post; post backward; pre backward reads x and dy twice (kernel 1 and 2),
     # writes dx; autograd adds the two dx (reads 2nC, writes nC)
     ours = (2 * n + 1) + (2 * n + 1) + (3 * n + 2) + (n + 1) + (2 * n + 1) + 3 * n
-    # linked (mhc_site): the same forward; the post's backward reads g and f, writes df; kernel 1 also reads g;
-    # kernel 2 also reads g; no sum of two dx
-    linked = (2 * n + 1) + (2 * n + 1) + (n + 2) + (2 * n + 1) + (3 * n + 1)
+    # linked (mhc_site): the same forward; the post's backward reads x, g and f, writes df (no dx); kernel 1 as
+    # before; kernel 2 also reads g (and adds H_res^T g to dx); no sum of two dx
+    linked = (2 * n + 1) + (2 * n + 1) + (2 * n + 2) + (n + 1) + (3 * n + 1)
     return {"least": tokens * least * C * itemsize, "ours": tokens * ours * C * itemsize,
             "ours_linked": tokens * linked * C * itemsize, "least_elements_per_token": f"{least} C",
             "ours_elements_per_token": f"{ours} C", "ours_linked_elements_per_token": f"{linked} C"}
@@ -138,8 +138,8 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
         "bwd.pre": bench(lambda: ops.pre_backward(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, None,
                                                   "kernels")) * 1e3,
         "bwd.add_dx": bench(lambda: x + x) * 1e3,
-        # the linked site's backward: the post's layer part, and the pre's backward that owns H_res x's
-        "bwd.post_linked": bench(lambda: ops.post_backward_layer(f, post, g, "kernels")) * 1e3,
+        # the linked site's backward: the post's without dx, and the pre's, which adds H_res^T g to its dx
+        "bwd.post_linked": bench(lambda: ops.post_backward_linked(x, f, post, g, "kernels")) * 1e3,
         "bwd.pre_linked": bench(lambda: ops.pre_backward(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres,
                                                          g, "kernels")) * 1e3,
     }
@@ -147,7 +147,7 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
 
 def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_variants=()) -> dict:
     """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
-    ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages"}), kernel 2 for each tuning
+    ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"}), kernel 2 for each tuning
     variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products"}); every
     variant's outputs are compared with the first's."""
     from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
@@ -174,8 +174,12 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
             from mhc_lab.kernels._target import compile_program
             from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
 
+            from mhc_lab.kernels.pre_split import NO_WARP_SPECIALIZATION
+
+            tiling = {k: v for k, v in cfg.items() if k != "warp_specialized"}
             kernel = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "cuda",
-                                                                       splits=partial.shape[0], **cfg), "cuda")
+                                                                       splits=partial.shape[0], **tiling), "cuda",
+                                     pass_configs=None if cfg.get("warp_specialized", True) else NO_WARP_SPECIALIZATION)
             kernel(*args1)
             row["rel_dmix"] = _rel(dmix, first[0])
             row["equal_operands"] = bool(torch.equal(dsplit, first[1]) and torch.equal(coef, first[2]))

@@ -44,13 +44,14 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
     outputs dx [T, n, C], df [T, C], dpost [T, n] f32, dres [T, n, n] f32. T is dynamic.
 
     lanes_grad=False: the linked site's post backward (mhc_lab.ops.training.mhc_site), where the lanes'
-    gradient through H_res x belongs to the pre's backward: arguments f, g, post, then the outputs df and
-    dpost only. It reads g (nC) and f (C) and writes df (C): 6C elements per token at n = 4, not 14C.
+    gradient through H_res x, H_res^T g, belongs to the pre's backward (its lane kernel adds it to the dx it
+    writes anyway): arguments x, f, g, post, then the outputs df, dpost and dres. It reads x, g (nC each) and
+    f (C) and writes df (C): 10C elements per token at n = 4, not 14C.
     """
     t = _check(n, C, dtype, target)
     NT = T.dynamic("T")
     lanes = list(range(n))
-    NR = n * n if lanes_grad else 0  # dH_res sums, then the n dH_post sums
+    NR = n * n  # dH_res sums, then the n dH_post sums
     NQ = NR + n
 
     if t == "c":
@@ -67,19 +68,18 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                             acc[q] = T.float32(0)
                         for c in T.serial(C):
                             gs = [T.cast(g[tok, i, c], "float32") for i in lanes]
-                            if x is not None:
-                                for j in lanes:
+                            for j in lanes:
+                                if dx is not None:
                                     dx[tok, j, c] = T.cast(sum([res[tok, i, j] * gs[i] for i in lanes]), dtype)
-                                    for i in lanes:
-                                        acc[i * n + j] += gs[i] * T.cast(x[tok, j, c], "float32")
+                                for i in lanes:
+                                    acc[i * n + j] += gs[i] * T.cast(x[tok, j, c], "float32")
                             df[tok, c] = T.cast(sum([post[tok, i] * gs[i] for i in lanes]), dtype)
                             for i in lanes:
                                 acc[NR + i] += gs[i] * T.cast(f[tok, c], "float32")
                         for i in T.serial(n):
                             dpost[tok, i] = acc[NR + i]
-                            if x is not None:
-                                for j in T.serial(n):
-                                    dres[tok, i, j] = acc[i * n + j]
+                            for j in T.serial(n):
+                                dres[tok, i, j] = acc[i * n + j]
 
         return _post_backward_func(body_c, n, C, dtype, NT, lanes_grad)
 
@@ -104,7 +104,7 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
             if tok < NT:
                 for i in T.unroll(n):
                     coef[NR + i] = post[tok, i]
-                    if x is not None:
+                    if dx is not None:
                         for j in T.unroll(n):
                             coef[i * n + j] = res[tok, i, j]
                 for q in T.unroll(NQ):
@@ -113,9 +113,8 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                     c0 = s * STEP + lane * V
                     if c0 < C:
                         for j in T.unroll(n):
-                            if x is not None:
-                                for v in T.vectorized(V):
-                                    xv[j, v] = x[tok, j, c0 + v]
+                            for v in T.vectorized(V):
+                                xv[j, v] = x[tok, j, c0 + v]
                             for v in T.vectorized(V):
                                 gv[j, v] = g[tok, j, c0 + v]
                         for v in T.vectorized(V):
@@ -123,17 +122,16 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                         for v in T.unroll(V):
                             gs = [T.cast(gv[i, v], "float32") for i in lanes]
                             fs = T.cast(fv[v], "float32")
-                            if x is not None:
-                                xs = [T.cast(xv[j, v], "float32") for j in lanes]
+                            xs = [T.cast(xv[j, v], "float32") for j in lanes]
+                            if dx is not None:
                                 for j in lanes:
                                     dxv[j, v] = T.cast(sum([coef[i * n + j] * gs[i] for i in lanes]), dtype)
                             dfv[v] = T.cast(sum([coef[NR + i] * gs[i] for i in lanes]), dtype)
                             for i in lanes:
-                                if x is not None:
-                                    for j in lanes:
-                                        acc[i * n + j] += gs[i] * xs[j]
+                                for j in lanes:
+                                    acc[i * n + j] += gs[i] * xs[j]
                                 acc[NR + i] += gs[i] * fs
-                        if x is not None:
+                        if dx is not None:
                             for j in T.unroll(n):
                                 for v in T.vectorized(V):
                                     dx[tok, j, c0 + v] = dxv[j, v]
@@ -144,26 +142,26 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                 if lane == 0:
                     for i in T.unroll(n):
                         dpost[tok, i] = acc[NR + i]
-                        if x is not None:
-                            for j in T.unroll(n):
-                                dres[tok, i, j] = acc[i * n + j]
+                        for j in T.unroll(n):
+                            dres[tok, i, j] = acc[i * n + j]
 
     return _post_backward_func(body_cuda, n, C, dtype, NT, lanes_grad)
 
 
 def _post_backward_func(body, n, C, dtype, NT, lanes_grad):
-    """The PrimFunc around a target's body (C or CUDA): the whole post backward, or (lanes_grad=False) only
-    its layer part."""
+    """The PrimFunc around a target's body (C or CUDA): the whole post backward, or (lanes_grad=False) all but
+    the lanes' gradient dx."""
     if not lanes_grad:
 
         @T.prim_func
-        def post_layer_backward(
-            f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype), post: T.Tensor((NT, n), "float32"),
-            df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
+        def post_coefficient_backward(
+            x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
+            post: T.Tensor((NT, n), "float32"), df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
+            dres: T.Tensor((NT, n, n), "float32"),
         ):
-            body(None, f, g, post, None, None, df, dpost, None)
+            body(x, f, g, post, None, None, df, dpost, dres)
 
-        return post_layer_backward
+        return post_coefficient_backward
 
     @T.prim_func
     def post_backward(
@@ -178,8 +176,8 @@ def _post_backward_func(body, n, C, dtype, NT, lanes_grad):
 
 
 @functools.lru_cache(maxsize=None)
-def post_backward_layer_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
-    """The linked site's post backward, compiled (cached per process): ``kernel(f, g, post, df, dpost)``."""
+def post_backward_linked_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
+    """The linked site's post backward, compiled (cached per process): ``kernel(x, f, g, post, df, dpost, dres)``."""
     return compile_program(post_backward_program(n, C, dtype, target, lanes_grad=False), target)
 
 

@@ -46,32 +46,27 @@ def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
 
 
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                                      splits: int = 1, lanes_grad: bool = False, iterations: int = 20,
-                                      threads: int = 256, block_tokens: int = 16, block_c: int | None = None,
-                                      stages: int = 2):
-    """Kernel 1. Arguments: x [T, n, C], dy [T, C], (if lanes_grad: g [T, n, C], the gradient of the site's
-    H_res x, see below), partial [splits, T, n^2+2n+1] f32 (the forward's raw projections and sum of squares,
-    summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32, (CUDA only: pre [T, n] f32);
-    outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all f32), and on CUDA kernel 2's
-    operands: dsplit [T, 3, 2 gemm_depth(n)] bf16 (dmix split into bf16 hi and lo, laid out for the three
-    products) and coef [T, coef_width(n)] f32 (H_pre, then 2 ds).
+                                      splits: int = 1, iterations: int = 20, threads: int = 256,
+                                      block_tokens: int = 16, block_c: int = 256, stages: int = 2):
+    """Kernel 1. Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw
+    projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32,
+    (CUDA only: pre [T, n] f32); outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all
+    f32), and on CUDA kernel 2's operands: dsplit [T, 3, 2 gemm_depth(n)] bf16 (dmix split into bf16 hi and
+    lo, laid out for the three products) and coef [T, coef_width(n)] f32 (H_pre, then 2 ds).
 
-    lanes_grad: the linked site of mhc_lab.ops.training hands the post H_res x from the pre, so the post's
-    backward passes its g on untouched and the pre's backward adds dH_res[i, j] = <g_i, x_j> here, to dres,
-    while reading x for dH_pre anyway (4C more read instead of the post's 4C read of x and 4C write of dx)."""
+    The same kernel serves both sites: in the linked site dres already holds <g_i, x_j>, reduced by the post's
+    backward (post_backward_program(lanes_grad=False))."""
     t = _check("pre backward (coefficients)", n, C, dtype, target)
     M = mixes_width(n)
     NT = T.dynamic("T")
     S = splits
     lanes = list(range(n))
-    pairs = [(i, j) for i in lanes for j in lanes]
     backward = coefficient_backward_macro(n, C, iterations=iterations)
     NI = sinkhorn_steps(iterations) * n
 
     @T.macro
     def per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv, dlogit_l,
                   dmix_l, extra_l, dpre, dlogit, dmix, extra):
-        """dres_l arrives holding <g_i, x_j> (or zeros); dres is added to it."""
         for q in T.unroll(M + 1):
             mix[q] = partial[0, tok, q]
         for s in T.serial(S - 1):
@@ -80,7 +75,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
         for i in T.unroll(n):
             dpost_l[i] = dpost[tok, i]
             for j in T.unroll(n):
-                dres_l[i * n + j] = dres_l[i * n + j] + dres[tok, i, j]
+                dres_l[i * n + j] = dres[tok, i, j]
         backward(mix, alpha, bias, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l)
         for i in T.unroll(n):
             dpre[tok, i] = dpre_l[i]
@@ -92,8 +87,15 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
 
     if t == "c":
 
-        @T.macro
-        def body_c(x, dy, g, partial, bias, alpha, dpost, dres, dpre, dlogit, dmix, extra):
+        @T.prim_func
+        def coefficients_backward_c(
+            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
+            partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+            alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+            dres: T.Tensor((NT, n, n), "float32"), dpre: T.Tensor((NT, n), "float32"),
+            dlogit: T.Tensor((NT, M), "float32"), dmix: T.Tensor((NT, M), "float32"),
+            extra: T.Tensor((NT, EXTRA), "float32"),
+        ):
             with T.Kernel(NT) as tok:
                 mix = T.alloc_local((M + 1,), "float32")
                 dpre_l = T.alloc_local((n,), "float32")
@@ -107,66 +109,38 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                 extra_l = T.alloc_local((EXTRA,), "float32")
                 for j in T.serial(n):
                     dpre_l[j] = T.float32(0)
-                for q in T.serial(n * n):
-                    dres_l[q] = T.float32(0)
                 for c in T.serial(C):
                     d = T.cast(dy[tok, c], "float32")
                     for j in lanes:
                         dpre_l[j] += d * T.cast(x[tok, j, c], "float32")
-                    if g is not None:
-                        for i, j in pairs:
-                            dres_l[i * n + j] += T.cast(g[tok, i, c], "float32") * T.cast(x[tok, j, c], "float32")
                 per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
                           dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
-
-        if lanes_grad:
-
-            @T.prim_func
-            def coefficients_backward_c_linked(
-                x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
-                partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
-                alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
-                dres: T.Tensor((NT, n, n), "float32"), dpre: T.Tensor((NT, n), "float32"),
-                dlogit: T.Tensor((NT, M), "float32"), dmix: T.Tensor((NT, M), "float32"),
-                extra: T.Tensor((NT, EXTRA), "float32"),
-            ):
-                body_c(x, dy, g, partial, bias, alpha, dpost, dres, dpre, dlogit, dmix, extra)
-
-            return coefficients_backward_c_linked
-
-        @T.prim_func
-        def coefficients_backward_c(
-            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
-            partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
-            alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
-            dres: T.Tensor((NT, n, n), "float32"), dpre: T.Tensor((NT, n), "float32"),
-            dlogit: T.Tensor((NT, M), "float32"), dmix: T.Tensor((NT, M), "float32"),
-            extra: T.Tensor((NT, EXTRA), "float32"),
-        ):
-            body_c(x, dy, None, partial, bias, alpha, dpost, dres, dpre, dlogit, dmix, extra)
 
         return coefficients_backward_c
 
     KH = gemm_depth(n)
     K2 = 2 * KH
     CP = coef_width(n)
-    # the reduction accumulators, (n or n + n^2) x [BT x BC] float32, must stay near 64 registers per thread
-    BC = block_c or (256 if not lanes_grad else 64)
-    BT, BC = block_tokens, min(BC, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
+    # the n reduction accumulators, n x [BT x BC] float32, stay near 64 registers per thread at the default
+    BT, BC = block_tokens, min(block_c, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
     NC = (C + BC - 1) // BC
-    NG = len(pairs) if lanes_grad else 0
-    slots = list(range(n + NG))  # reduction slots: <dy, x_j> for each lane, then <g_i, x_j> for each pair
-    gx_slots = [(n + k, i, j) for k, (i, j) in enumerate(pairs)]
 
-    @T.macro
-    def body_cuda(x, dy, g, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef):
+    @T.prim_func
+    def coefficients_backward_cuda(
+        x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
+        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+        dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
+        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
+        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+        dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
+    ):
         with T.Kernel(T.ceildiv(NT, BT), threads=threads) as b:
             xs = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
-            gs = [T.alloc_shared((BT, BC), dtype) for _ in (lanes if lanes_grad else [])]
             dys = T.alloc_shared((BT, BC), dtype)
-            acc = [T.alloc_fragment((BT, BC), "float32") for _ in slots]
-            sums = [T.alloc_fragment((BT,), "float32") for _ in slots]
-            sums_s = T.alloc_shared((BT, n + NG), "float32")
+            acc = [T.alloc_fragment((BT, BC), "float32") for _ in lanes]
+            sums = [T.alloc_fragment((BT,), "float32") for _ in lanes]
+            sums_s = T.alloc_shared((BT, n), "float32")
             mix = T.alloc_local((M + 1,), "float32")
             dpre_l = T.alloc_local((n,), "float32")
             dpost_l = T.alloc_local((n,), "float32")
@@ -178,27 +152,21 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             dmix_l = T.alloc_local((M,), "float32")
             extra_l = T.alloc_local((EXTRA,), "float32")
             t0 = b * BT
-            # phase 1, the whole CTA: dH_pre[t, j] = <dy, x_j> (and <g_i, x_j>), streamed in [BT x BC] tiles
-            for q in slots:
+            # phase 1, the whole CTA: dH_pre[t, j] = <dy, x_j>, streamed in [BT x BC] tiles
+            for q in lanes:
                 T.clear(acc[q])
             for cb in T.Pipelined(NC, num_stages=stages):
                 for j in lanes:
                     T.copy(x[t0 : t0 + BT, j, cb * BC : cb * BC + BC], xs[j])
-                if g is not None:
-                    for i in lanes:
-                        T.copy(g[t0 : t0 + BT, i, cb * BC : cb * BC + BC], gs[i])
                 T.copy(dy[t0 : t0 + BT, cb * BC : cb * BC + BC], dys)
                 for tt, c in T.Parallel(BT, BC):
                     d = T.cast(dys[tt, c], "float32")
                     for j in lanes:
                         acc[j][tt, c] += d * T.cast(xs[j][tt, c], "float32")
-                    if g is not None:
-                        for q, i, j in gx_slots:
-                            acc[q][tt, c] += T.cast(gs[i][tt, c], "float32") * T.cast(xs[j][tt, c], "float32")
-            for q in slots:
+            for q in lanes:
                 T.reduce_sum(acc[q], sums[q], dim=1)
             for tt in T.Parallel(BT):
-                for q in slots:
+                for q in lanes:
                     sums_s[tt, q] = sums[q][tt]
             T.sync_threads()
             # phase 2, one thread per token: the coefficient backward, then kernel 2's operands
@@ -208,8 +176,6 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                 if tok < NT:
                     for j in T.unroll(n):
                         dpre_l[j] = sums_s[tx, j]
-                    for q in T.unroll(n * n):
-                        dres_l[q] = sums_s[tx, n + q] if lanes_grad else T.float32(0)
                     per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb,
                               inv, dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
                     for k in T.serial(K2):
@@ -228,34 +194,6 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                             coef[tok, j] = T.float32(2) * extra_l[3]
                         else:
                             coef[tok, j] = T.float32(0)
-
-    if lanes_grad:
-
-        @T.prim_func
-        def coefficients_backward_cuda_linked(
-            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
-            partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
-            alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
-            dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
-            dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
-            dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
-            dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
-        ):
-            body_cuda(x, dy, g, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
-
-        return coefficients_backward_cuda_linked
-
-    @T.prim_func
-    def coefficients_backward_cuda(
-        x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
-        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
-        alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
-        dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
-        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
-        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
-        dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
-    ):
-        body_cuda(x, dy, None, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
 
     return coefficients_backward_cuda
 
@@ -464,8 +402,7 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial)."""
     t = canonical_target(target)
-    coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits,
-                                                                     lanes_grad=lanes_grad), t)
+    coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, lanes_grad=lanes_grad, **lanes_kw), t)

@@ -41,7 +41,6 @@ from mhc_lab.reference.validate import (
 
 BACKENDS = ("auto", "reference", "kernels")
 KERNEL_MAX_LANES = 8
-LINKED_MAX_LANES_CUDA = 4
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,13 +201,12 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
                  g: Optional[torch.Tensor], backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res, and g, the gradient of
-    link (that is, of H_res x) when a post_forward_linked used it."""
+    link (that is, of H_res x) when a post_forward_linked used it: then dx also gets sum_i H_res[i, j] g_i
+    (dres already holds <g_i, x_j>, from post_backward_linked)."""
     tokens, n, C = x.shape
     linked = g is not None
     if backend == "reference":
         cd = res.dtype
-        if linked:  # H_res x's backward: dH_res[i, j] = <g_i, x_j>, dx_j += sum_i H_res[i, j] g_i
-            dres = dres + torch.einsum("...ic,...jc->...ij", g.to(cd), x.to(cd))
         grads = reference_pre_backward(x, phi, bias, alpha, dy, dpost, dres)
         dx = grads.x + torch.einsum("...ij,...ic->...jc", res, g.to(cd)) if linked else grads.x
         return tuple(t.to(leaf.dtype).contiguous() for t, leaf in zip((dx, *grads[1:]), (x, phi, bias, alpha)))
@@ -234,21 +232,22 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
         if tokens:
             with torch.cuda.device(x.device):
                 xc, dyc = x.contiguous(), dy.contiguous()
-                coefficients(xc, dyc, *g_in, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit,
+                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit,
                              dmix, extra, dsplit, coef)
                 lanes(xc, dyc, dsplit, coef, phi32, *g_in, *res_in, dx, dphi_partial)
         else:
             dphi_partial.zero_()
         dphi = dphi_from_partial(dphi_partial, n)
     else:
-        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], lanes_grad=linked)
+        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0],
+                                                   lanes_grad=linked)
         dphi_partial = torch.empty((1, m, n * C), **f32)
         if tokens:
             x32, dy32 = x.float().contiguous(), dy.float().contiguous()
             dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
             g_in = [g.float().contiguous()] if linked else []
             res_in = [res.float().contiguous()] if linked else []
-            coefficients(x32, dy32, *g_in, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
+            coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
             lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, *g_in, *res_in, dx32, dphi_partial)
             if dx32 is not dx:
                 dx.copy_(dx32)
@@ -363,8 +362,8 @@ post_forward.register_autograd(_post_backward, setup_context=_post_setup_context
 def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, post: torch.Tensor,
                         res: torch.Tensor, backend: str) -> torch.Tensor:
     """The next lanes link + H_post f, where link (from pre_forward on the same x) stands for H_res x, which is
-    computed here from x and res. Differentiable in link (its gradient is g itself), f and post; x and res
-    are read as values, their gradients through H_res x belong to pre_forward's backward."""
+    computed here from x and res. Differentiable in link (its gradient is g itself), f, post and res; x is read
+    as a value: its gradient through H_res x, H_res^T g, belongs to pre_forward's backward."""
     return post_forward(x, f, post, res, backend)
 
 
@@ -373,52 +372,55 @@ def _(x, link, f, post, res, backend):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("mhc_lab::post_backward_layer", mutates_args=())
+@torch.library.custom_op("mhc_lab::post_backward_linked", mutates_args=())
 @_no_autocast
-def post_backward_layer(f: torch.Tensor, post: torch.Tensor, g: torch.Tensor, backend: str
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(df, dpost) of the linked post: df = sum_i H_post[i] g_i, dH_post[i] = <g_i, f>."""
+def post_backward_linked(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, g: torch.Tensor, backend: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(df, dpost, dres) of the linked post: df = sum_i H_post[i] g_i, dH_post[i] = <g_i, f>,
+    dH_res[i, j] = <g_i, x_j>; no dx (the pre's backward adds H_res^T g to the dx it writes)."""
     tokens, n, C = g.shape
     if backend == "reference":
         cd = post.dtype
         df = torch.einsum("...i,...ic->...c", post, g.to(cd))
-        return df.to(f.dtype).contiguous(), torch.einsum("...ic,...c->...i", g.to(cd), f.to(cd)).contiguous()
-    from mhc_lab.kernels.post_backward import post_backward_layer_kernel
+        return (df.to(f.dtype).contiguous(), torch.einsum("...ic,...c->...i", g.to(cd), f.to(cd)).contiguous(),
+                torch.einsum("...ic,...jc->...ij", g.to(cd), x.to(cd)).contiguous())
+    from mhc_lab.kernels.post_backward import post_backward_linked_kernel
 
     df = torch.empty_like(f)
     dpost = torch.empty((tokens, n), dtype=torch.float32, device=g.device)
+    dres = torch.empty((tokens, n, n), dtype=torch.float32, device=g.device)
     if tokens == 0:
-        return df, dpost.to(post.dtype)
+        return df, dpost.to(post.dtype), dres.to(post.dtype)
     post32 = post.float().contiguous()
     if g.device.type == "cuda":
         with torch.cuda.device(g.device):
-            post_backward_layer_kernel(n, C, _DTYPE_NAMES[g.dtype], "cuda")(f.contiguous(), g.contiguous(), post32,
-                                                                           df, dpost)
+            post_backward_linked_kernel(n, C, _DTYPE_NAMES[g.dtype], "cuda")(
+                x.contiguous(), f.contiguous(), g.contiguous(), post32, df, dpost, dres)
     else:
         df32 = df if f.dtype == torch.float32 else torch.empty(f.shape, dtype=torch.float32)
-        post_backward_layer_kernel(n, C, "float32", "c")(f.float().contiguous(), g.float().contiguous(), post32,
-                                                         df32, dpost)
+        post_backward_linked_kernel(n, C, "float32", "c")(
+            x.float().contiguous(), f.float().contiguous(), g.float().contiguous(), post32, df32, dpost, dres)
         if df32 is not df:
             df.copy_(df32)
-    return df, dpost.to(post.dtype)
+    return df, dpost.to(post.dtype), dres.to(post.dtype)
 
 
-@post_backward_layer.register_fake
-def _(f, post, g, backend):
-    return torch.empty_like(f), torch.empty_like(post)
+@post_backward_linked.register_fake
+def _(x, f, post, g, backend):
+    return torch.empty_like(f), torch.empty_like(post), post.new_empty((*post.shape, post.shape[-1]))
 
 
 def _post_linked_setup_context(ctx, inputs, output):
-    _, _, f, post, _, backend = inputs
+    x, _, f, post, _, backend = inputs
     ctx.backend = backend
-    ctx.save_for_backward(f, post)
+    ctx.save_for_backward(x, f, post)
 
 
 def _post_linked_backward(ctx, g):
-    f, post = ctx.saved_tensors
+    x, f, post = ctx.saved_tensors
     g = g.contiguous()
-    df, dpost = post_backward_layer(f, post, g, ctx.backend)
-    return None, g, df, dpost, None, None
+    df, dpost, dres = post_backward_linked(x, f, post, g, ctx.backend)
+    return None, g, df, dpost, dres, None
 
 
 post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
@@ -462,22 +464,14 @@ def mhc_post(x, layer_output, post, res, *, backend: str = "auto"):
     return out.view(*batch, n, C)
 
 
-def linked_site_applies(backend: str, x: torch.Tensor) -> bool:
-    """Whether mhc_site links the pre and the post (the post's lanes gradient left to the pre's backward):
-    always for the reference and the C target; on CUDA for n <= 4 (kernel 1 keeps n + n^2 reductions)."""
-    return backend == "reference" or x.device.type != "cuda" or x.shape[-2] <= LINKED_MAX_LANES_CUDA
-
-
 def mhc_site(x, phi, bias, alpha, layer, *, backend: str = "auto"):
     """One whole site, x_next = H_res x + H_post^T layer(H_pre x), the same values as mhc_post(x, layer(y), ...)
-    after mhc_pre, but with the lanes' gradient through H_res x computed once, inside the pre's backward: the
-    post's backward reads g and f and writes df only (6C per token at n = 4 instead of 14C), and the two dx
-    of the separate ops are never added by autograd (12C). layer: a function of [..., C] -> [..., C]."""
+    after mhc_pre, but with the lanes' gradient through H_res x computed once, inside the pre's backward (its
+    lane kernel adds H_res^T g to the dx it writes anyway): the post's backward reads x, g and f and writes df
+    only (10C per token at n = 4 instead of 14C), and the two dx of the separate ops are never added by
+    autograd (12C). layer: a function of [..., C] -> [..., C]."""
     n, C = _check_site(x, phi, bias, alpha, "mhc_site")
     chosen = resolve_backend(backend, x)
-    if not linked_site_applies(chosen, x):
-        y, post, res = mhc_pre(x, phi, bias, alpha, backend=chosen)
-        return mhc_post(x, layer(y), post, res, backend=chosen)
     batch = tuple(x.shape[:-2])
     lanes = x.reshape(-1, n, C)
     y, post, res, _, _, link = pre_forward(lanes, phi, bias, alpha, chosen)
