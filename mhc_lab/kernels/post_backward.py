@@ -36,17 +36,12 @@ def vector_width(C: int, dtype: str) -> int:
     return vec if C % vec == 0 else 1
 
 
-def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, lanes_grad: bool = True,
+def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                           threads: int = 256, block_tokens: int = 4):
     """The tile program of the post backward for n lanes of width C.
 
     Arguments at run time: x [T, n, C], f [T, C], g [T, n, C], post [T, n] f32, res [T, n, n] f32, then the
     outputs dx [T, n, C], df [T, C], dpost [T, n] f32, dres [T, n, n] f32. T is dynamic.
-
-    lanes_grad=False: the linked site's post backward (mhc_lab.ops.training.mhc_site), where the lanes'
-    gradient through H_res x, H_res^T g, belongs to the pre's backward (its lane kernel adds it to the dx it
-    writes anyway): arguments x, f, g, post, then the outputs df, dpost and dres. It reads x, g (nC each) and
-    f (C) and writes df (C): 10C elements per token at n = 4, not 14C.
     """
     t = _check(n, C, dtype, target)
     NT = T.dynamic("T")
@@ -69,8 +64,7 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                         for c in T.serial(C):
                             gs = [T.cast(g[tok, i, c], "float32") for i in lanes]
                             for j in lanes:
-                                if dx is not None:
-                                    dx[tok, j, c] = T.cast(sum([res[tok, i, j] * gs[i] for i in lanes]), dtype)
+                                dx[tok, j, c] = T.cast(sum([res[tok, i, j] * gs[i] for i in lanes]), dtype)
                                 for i in lanes:
                                     acc[i * n + j] += gs[i] * T.cast(x[tok, j, c], "float32")
                             df[tok, c] = T.cast(sum([post[tok, i] * gs[i] for i in lanes]), dtype)
@@ -81,7 +75,7 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                             for j in T.serial(n):
                                 dres[tok, i, j] = acc[i * n + j]
 
-        return _post_backward_func(body_c, n, C, dtype, NT, lanes_grad)
+        return _post_backward_func(body_c, n, C, dtype, NT)
 
     V = vector_width(C, dtype)
     WARPS = threads // 32
@@ -104,9 +98,8 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
             if tok < NT:
                 for i in T.unroll(n):
                     coef[NR + i] = post[tok, i]
-                    if dx is not None:
-                        for j in T.unroll(n):
-                            coef[i * n + j] = res[tok, i, j]
+                    for j in T.unroll(n):
+                        coef[i * n + j] = res[tok, i, j]
                 for q in T.unroll(NQ):
                     acc[q] = T.float32(0)
                 for s in T.serial(NS):
@@ -123,18 +116,16 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                             gs = [T.cast(gv[i, v], "float32") for i in lanes]
                             fs = T.cast(fv[v], "float32")
                             xs = [T.cast(xv[j, v], "float32") for j in lanes]
-                            if dx is not None:
-                                for j in lanes:
-                                    dxv[j, v] = T.cast(sum([coef[i * n + j] * gs[i] for i in lanes]), dtype)
+                            for j in lanes:
+                                dxv[j, v] = T.cast(sum([coef[i * n + j] * gs[i] for i in lanes]), dtype)
                             dfv[v] = T.cast(sum([coef[NR + i] * gs[i] for i in lanes]), dtype)
                             for i in lanes:
                                 for j in lanes:
                                     acc[i * n + j] += gs[i] * xs[j]
                                 acc[NR + i] += gs[i] * fs
-                        if dx is not None:
-                            for j in T.unroll(n):
-                                for v in T.vectorized(V):
-                                    dx[tok, j, c0 + v] = dxv[j, v]
+                        for j in T.unroll(n):
+                            for v in T.vectorized(V):
+                                dx[tok, j, c0 + v] = dxv[j, v]
                         for v in T.vectorized(V):
                             df[tok, c0 + v] = dfv[v]
                 for q in T.unroll(NQ):
@@ -145,23 +136,11 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                         for j in T.unroll(n):
                             dres[tok, i, j] = acc[i * n + j]
 
-    return _post_backward_func(body_cuda, n, C, dtype, NT, lanes_grad)
+    return _post_backward_func(body_cuda, n, C, dtype, NT)
 
 
-def _post_backward_func(body, n, C, dtype, NT, lanes_grad):
-    """The PrimFunc around a target's body (C or CUDA): the whole post backward, or (lanes_grad=False) all but
-    the lanes' gradient dx."""
-    if not lanes_grad:
-
-        @T.prim_func
-        def post_coefficient_backward(
-            x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
-            post: T.Tensor((NT, n), "float32"), df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"),
-            dres: T.Tensor((NT, n, n), "float32"),
-        ):
-            body(x, f, g, post, None, None, df, dpost, dres)
-
-        return post_coefficient_backward
+def _post_backward_func(body, n, C, dtype, NT):
+    """The PrimFunc around a target's body (C or CUDA)."""
 
     @T.prim_func
     def post_backward(
@@ -173,12 +152,6 @@ def _post_backward_func(body, n, C, dtype, NT, lanes_grad):
         body(x, f, g, post, res, dx, df, dpost, dres)
 
     return post_backward
-
-
-@functools.lru_cache(maxsize=None)
-def post_backward_linked_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
-    """The linked site's post backward, compiled (cached per process): ``kernel(x, f, g, post, df, dpost, dres)``."""
-    return compile_program(post_backward_program(n, C, dtype, target, lanes_grad=False), target)
 
 
 @functools.lru_cache(maxsize=None)

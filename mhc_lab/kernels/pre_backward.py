@@ -8,17 +8,18 @@
 #              and of the norm: dmix [n^2 + 2n] (the gradient of the raw projections), dlogit (= the bias
 #              gradient per token), the alpha gradients per token and ds (the gradient of s).
 #     kernel 2 (lanes and phi): dx[t, j, c] = H_pre[j] dy[c] + sum_q dmix[q] phi[q, jC + c] + 2 ds x
-#              (+ sum_i H_res[i, j] g_i[c] in the linked site, where the pre's backward owns H_res x's gradient)
+#              (+ dx_post[t, j, c] in the linked site: the post's gradient of the same lanes, so that the two
+#              are summed here and not by autograd in another pass)
 #              and dphi[q, k] = sum_t dmix[t, q] x_flat[t, k] (a reduction over tokens: per-split partials,
 #              summed afterwards in a fixed order, so deterministic).
 #
-# Bytes per token (bf16, n = 4): kernel 1 reads x and dy (5C elements; 9C with g in the linked site); kernel 2
-# reads x, dy (and g in the linked site: 4C more) and writes dx (4C): 9C or 13C. phi (1.5 MB at C = 4096) is read
+# Bytes per token (bf16, n = 4): kernel 1 reads x and dy (5C elements); kernel 2 reads x, dy (and dx_post in
+# the linked site: 4C more) and writes dx (4C): 9C or 13C. phi (1.5 MB at C = 4096) is read
 # from L2 once per CTA and dphi written once per split.
 # FLOPs per token: 2 (n^2 + 2n) nC twice (dmix phi and dmix^T x: 384 C at n = 4) on tensor cores, as three
 # bf16 products (dmix and phi each split into bf16 hi + lo, ~16 bits kept) accumulated in float32.
 #
-# CUDA kernel 1: a CTA owns 16 tokens; all its threads stream the tokens' x and dy in [16 x 256] tiles (TMA,
+# CUDA kernel 1: a CTA owns 64 tokens; all its threads stream the tokens' x and dy in [64 x 128] tiles (TMA,
 # double-buffered) and reduce dH_pre; then one thread per token runs the per-token backward of
 # _coefficients.py (the same macro as the C target) and writes kernel 2's operands: dmix split into bf16 hi and
 # lo, laid out for the three products, and H_pre with 2 ds. CUDA kernel 2: a CTA owns a block of columns of up
@@ -47,15 +48,14 @@ def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
 
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                       splits: int = 1, iterations: int = 20, threads: int = 256,
-                                      block_tokens: int = 16, block_c: int = 256, stages: int = 2):
+                                      block_tokens: int = 64, block_c: int | None = None, stages: int = 2):
     """Kernel 1. Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw
     projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32,
     (CUDA only: pre [T, n] f32); outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all
     f32), and on CUDA kernel 2's operands: dsplit [T, 3, 2 gemm_depth(n)] bf16 (dmix split into bf16 hi and
     lo, laid out for the three products) and coef [T, coef_width(n)] f32 (H_pre, then 2 ds).
 
-    The same kernel serves both sites: in the linked site dres already holds <g_i, x_j>, reduced by the post's
-    backward (post_backward_program(lanes_grad=False))."""
+    The same kernel serves both sites (mhc_lab.ops.training's separate and linked ones)."""
     t = _check("pre backward (coefficients)", n, C, dtype, target)
     M = mixes_width(n)
     NT = T.dynamic("T")
@@ -121,8 +121,10 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     KH = gemm_depth(n)
     K2 = 2 * KH
     CP = coef_width(n)
-    # the n reduction accumulators, n x [BT x BC] float32, stay near 64 registers per thread at the default
-    BT, BC = block_tokens, min(block_c, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
+    BT = block_tokens
+    # the n reduction accumulators, n x [BT x BC] float32, take at most 128 registers per thread by default
+    BC = block_c or max(32, min(128, 128 * threads // (n * BT)))
+    BC = min(BC, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
     NC = (C + BC - 1) // BC
 
     @T.prim_func
@@ -210,14 +212,14 @@ def gemm_depth(n: int) -> int:
 
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                               lanes_grad: bool = False, splits: int = 1, block_tokens: int = 64,
+                               add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
                                dx_products: int = 3, threads: int = 128):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
-    Then (if lanes_grad) g [T, n, C] and res [T, n, n] f32, whose sum_i H_res[i, j] g_i the kernel adds to dx
-    (the linked site's lanes gradient, see kernel 1), then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC]
-    f32 on the C target (dphi itself); on CUDA [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it).
+    Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
+    dx in the same pass, then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC] f32 on the C target
+    (dphi itself); on CUDA [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it).
 
     CUDA tuning: lane_group lanes per CTA (default lane_tiling(n), which also picks block_c), token tiles of
     block_tokens, stages > 1 pipelines the token loop, dx_products 3 (dmix and phi both split into bf16
@@ -233,7 +235,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         BCc = 8
 
         @T.macro
-        def body(x, dy, pre, dmix, extra, phi, g, res, dx, dphi_partial):
+        def body(x, dy, pre, dmix, extra, phi, dx_post, dx, dphi_partial):
             with T.Kernel(T.ceildiv(C, BCc)) as bc:
                 acc = T.alloc_local((1,), "float32")
                 for cc in T.serial(BCc):
@@ -244,8 +246,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                 v = sum([dmix[tok, q] * phi[q, j * C + col] for q in range(M)],
                                         pre[tok, j] * T.cast(dy[tok, col], "float32")
                                         + T.float32(2) * extra[tok, 3] * T.cast(x[tok, j, col], "float32"))
-                                if g is not None:
-                                    v = v + sum([res[tok, i, j] * T.cast(g[tok, i, col], "float32") for i in lanes])
+                                if dx_post is not None:
+                                    v = v + T.cast(dx_post[tok, j, col], "float32")
                                 dx[tok, j, col] = T.cast(v, dtype)
                             for q in T.serial(M):
                                 acc[0] = T.float32(0)
@@ -253,19 +255,18 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                     acc[0] += dmix[tok, q] * T.cast(x[tok, j, col], "float32")
                                 dphi_partial[0, q, j * C + col] = acc[0]
 
-        if lanes_grad:
+        if add_dx:
 
             @T.prim_func
-            def lanes_backward_c_linked(
+            def lanes_backward_c_add(
                 x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
                 dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
-                phi: T.Tensor((M, K), "float32"), g: T.Tensor((NT, n, C), dtype),
-                res: T.Tensor((NT, n, n), "float32"),
+                phi: T.Tensor((M, K), "float32"), dx_post: T.Tensor((NT, n, C), dtype),
                 dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
             ):
-                body(x, dy, pre, dmix, extra, phi, g, res, dx, dphi_partial)
+                body(x, dy, pre, dmix, extra, phi, dx_post, dx, dphi_partial)
 
-            return lanes_backward_c_linked
+            return lanes_backward_c_add
 
         @T.prim_func
         def lanes_backward_c(
@@ -274,7 +275,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             phi: T.Tensor((M, K), "float32"),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
         ):
-            body(x, dy, pre, dmix, extra, phi, None, None, dx, dphi_partial)
+            body(x, dy, pre, dmix, extra, phi, None, dx, dphi_partial)
 
         return lanes_backward_c
 
@@ -290,7 +291,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     CP = coef_width(n)
 
     @T.macro
-    def body(x, dy, dsplit, coef, phi, g, res, dx, dphi_partial):
+    def body(x, dy, dsplit, coef, phi, dx_post, dx, dphi_partial):
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
             phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]
             a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
@@ -335,10 +336,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
-                        if g is not None:  # the lanes' gradient through H_res: sum_i H_res[i, j] g_i
-                            tok = T.min(t0 + tt, NT - 1)
-                            col = T.min(c0 + c, C - 1)
-                            v = v + sum([res[tok, i, j] * T.cast(g[tok, i, col], "float32") for i in lanes])
+                        if dx_post is not None:  # the post's gradient of the same lanes, read once
+                            v = v + T.cast(dx_post[T.min(t0 + tt, NT - 1), j, T.min(c0 + c, C - 1)], "float32")
                         dxf[tt, c] = T.cast(v, dtype)
                     T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
                     T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
@@ -348,18 +347,18 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     if c0 + c < C:
                         dphi_partial[s, k, j * C + c0 + c] = acc_phi[jj][k, c]
 
-    if lanes_grad:
+    if add_dx:
 
         @T.prim_func
-        def lanes_backward_cuda_linked(
+        def lanes_backward_cuda_add(
             x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), dsplit: T.Tensor((NT, 3, K2), "bfloat16"),
-            coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"), g: T.Tensor((NT, n, C), dtype),
-            res: T.Tensor((NT, n, n), "float32"),
+            coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"),
+            dx_post: T.Tensor((NT, n, C), dtype),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
         ):
-            body(x, dy, dsplit, coef, phi, g, res, dx, dphi_partial)
+            body(x, dy, dsplit, coef, phi, dx_post, dx, dphi_partial)
 
-        return lanes_backward_cuda_linked
+        return lanes_backward_cuda_add
 
     @T.prim_func
     def lanes_backward_cuda(
@@ -367,7 +366,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"),
         dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
     ):
-        body(x, dy, dsplit, coef, phi, None, None, dx, dphi_partial)
+        body(x, dy, dsplit, coef, phi, None, dx, dphi_partial)
 
     return lanes_backward_cuda
 
@@ -396,7 +395,7 @@ def dphi_from_partial(partial, n: int):
 
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
-                         lanes_grad: bool = False, lane_splits: int = 1, block_tokens: int = 64,
+                         add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
                          dx_products: int = 3):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
@@ -405,5 +404,5 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
     coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products}
-    lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, lanes_grad=lanes_grad, **lanes_kw), t)
+    lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
     return coefficients, lanes

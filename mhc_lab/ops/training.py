@@ -139,8 +139,8 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
 
     Coefficients and partial are float32 (float64 for float64 lanes, reference backend only). link stands for
     the mixed lanes H_res x without holding them (a [T, n, C] view of one zero): post_forward_linked adds
-    H_res x itself, and the gradient it hands back for link (its g, untouched) reaches this op's backward,
-    which owns everything of H_res x's backward (dx += H_res^T g, dH_res += <g_i, x_j>)."""
+    H_res x itself, and hands back as link's gradient the lanes' gradient of its own backward, H_res^T g, which
+    this op's backward adds to its dx in the same pass (autograd would add the two dx in another)."""
     tokens, n, C = x.shape
     link = _link(x)
     if backend == "reference":
@@ -198,17 +198,16 @@ def _(x, phi, bias, alpha, backend):
 @_no_autocast
 def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
                  partial: torch.Tensor, res: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor,
-                 g: Optional[torch.Tensor], backend: str
+                 dx_post: Optional[torch.Tensor], backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res, and g, the gradient of
-    link (that is, of H_res x) when a post_forward_linked used it: then dx also gets sum_i H_res[i, j] g_i
-    (dres already holds <g_i, x_j>, from post_backward_linked)."""
+    """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res, and dx_post, the
+    gradient of link when a post_forward_linked used it (the post's gradient of the lanes), added to dx."""
     tokens, n, C = x.shape
-    linked = g is not None
+    linked = dx_post is not None
     if backend == "reference":
         cd = res.dtype
         grads = reference_pre_backward(x, phi, bias, alpha, dy, dpost, dres)
-        dx = grads.x + torch.einsum("...ij,...ic->...jc", res, g.to(cd)) if linked else grads.x
+        dx = grads.x + dx_post.to(cd) if linked else grads.x
         return tuple(t.to(leaf.dtype).contiguous() for t, leaf in zip((dx, *grads[1:]), (x, phi, bias, alpha)))
     m = mixes_width(n)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -223,9 +222,8 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
 
         splits = _lane_splits(n, C, x.device)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                                   lane_splits=splits, lanes_grad=linked)
-        g_in = [g.contiguous()] if linked else []
-        res_in = [res.float().contiguous()] if linked else []
+                                                   lane_splits=splits, add_dx=linked)
+        more = [dx_post.contiguous()] if linked else []
         dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
         dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
         coef = torch.empty((tokens, coef_width(n)), **f32)
@@ -234,21 +232,19 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
                 xc, dyc = x.contiguous(), dy.contiguous()
                 coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit,
                              dmix, extra, dsplit, coef)
-                lanes(xc, dyc, dsplit, coef, phi32, *g_in, *res_in, dx, dphi_partial)
+                lanes(xc, dyc, dsplit, coef, phi32, *more, dx, dphi_partial)
         else:
             dphi_partial.zero_()
         dphi = dphi_from_partial(dphi_partial, n)
     else:
-        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0],
-                                                   lanes_grad=linked)
+        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=linked)
         dphi_partial = torch.empty((1, m, n * C), **f32)
         if tokens:
             x32, dy32 = x.float().contiguous(), dy.float().contiguous()
             dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
-            g_in = [g.float().contiguous()] if linked else []
-            res_in = [res.float().contiguous()] if linked else []
+            more = [dx_post.float().contiguous()] if linked else []
             coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
-            lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, *g_in, *res_in, dx32, dphi_partial)
+            lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, *more, dx32, dphi_partial)
             if dx32 is not dx:
                 dx.copy_(dx32)
         else:
@@ -258,7 +254,7 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
 
 
 @pre_backward.register_fake
-def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, g, backend):
+def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, backend):
     return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
 
 
@@ -269,7 +265,7 @@ def _pre_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, phi, bias, alpha, pre, partial, res)
     ctx.mark_non_differentiable(pre, partial)
     # an unused output's gradient must arrive as None: materialised, the unused link would hand the backward a
-    # zero g of [T, n, C] and turn a separate site's pre backward into the linked one (more bytes, same result)
+    # zero [T, n, C] gradient to add and turn a separate site's pre backward into the linked one (more bytes)
     ctx.set_materialize_grads(False)
 
 
@@ -278,9 +274,9 @@ def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
     dy = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device) if dy is None else dy
     dpost = torch.zeros_like(pre) if dpost is None else dpost
     dres = torch.zeros((x.shape[0], x.shape[1], x.shape[1]), dtype=pre.dtype, device=x.device) if dres is None else dres
-    g = None if dlink is None else dlink.contiguous()
+    dx_post = None if dlink is None else dlink.contiguous()
     dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res, dy.contiguous(),
-                                           dpost.contiguous(), dres.contiguous(), g, ctx.backend)
+                                           dpost.contiguous(), dres.contiguous(), dx_post, ctx.backend)
     return dx, dphi, dbias, dalpha, None
 
 
@@ -362,8 +358,8 @@ post_forward.register_autograd(_post_backward, setup_context=_post_setup_context
 def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, post: torch.Tensor,
                         res: torch.Tensor, backend: str) -> torch.Tensor:
     """The next lanes link + H_post f, where link (from pre_forward on the same x) stands for H_res x, which is
-    computed here from x and res. Differentiable in link (its gradient is g itself), f, post and res; x is read
-    as a value: its gradient through H_res x, H_res^T g, belongs to pre_forward's backward."""
+    computed here from x and res. Its backward is post_forward's, except that the lanes' gradient H_res^T g
+    goes back as link's gradient (to pre_forward's backward, which adds it to its own dx), not as x's."""
     return post_forward(x, f, post, res, backend)
 
 
@@ -372,55 +368,16 @@ def _(x, link, f, post, res, backend):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("mhc_lab::post_backward_linked", mutates_args=())
-@_no_autocast
-def post_backward_linked(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, g: torch.Tensor, backend: str
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(df, dpost, dres) of the linked post: df = sum_i H_post[i] g_i, dH_post[i] = <g_i, f>,
-    dH_res[i, j] = <g_i, x_j>; no dx (the pre's backward adds H_res^T g to the dx it writes)."""
-    tokens, n, C = g.shape
-    if backend == "reference":
-        cd = post.dtype
-        df = torch.einsum("...i,...ic->...c", post, g.to(cd))
-        return (df.to(f.dtype).contiguous(), torch.einsum("...ic,...c->...i", g.to(cd), f.to(cd)).contiguous(),
-                torch.einsum("...ic,...jc->...ij", g.to(cd), x.to(cd)).contiguous())
-    from mhc_lab.kernels.post_backward import post_backward_linked_kernel
-
-    df = torch.empty_like(f)
-    dpost = torch.empty((tokens, n), dtype=torch.float32, device=g.device)
-    dres = torch.empty((tokens, n, n), dtype=torch.float32, device=g.device)
-    if tokens == 0:
-        return df, dpost.to(post.dtype), dres.to(post.dtype)
-    post32 = post.float().contiguous()
-    if g.device.type == "cuda":
-        with torch.cuda.device(g.device):
-            post_backward_linked_kernel(n, C, _DTYPE_NAMES[g.dtype], "cuda")(
-                x.contiguous(), f.contiguous(), g.contiguous(), post32, df, dpost, dres)
-    else:
-        df32 = df if f.dtype == torch.float32 else torch.empty(f.shape, dtype=torch.float32)
-        post_backward_linked_kernel(n, C, "float32", "c")(
-            x.float().contiguous(), f.float().contiguous(), g.float().contiguous(), post32, df32, dpost, dres)
-        if df32 is not df:
-            df.copy_(df32)
-    return df, dpost.to(post.dtype), dres.to(post.dtype)
-
-
-@post_backward_linked.register_fake
-def _(x, f, post, g, backend):
-    return torch.empty_like(f), torch.empty_like(post), post.new_empty((*post.shape, post.shape[-1]))
-
-
 def _post_linked_setup_context(ctx, inputs, output):
-    x, _, f, post, _, backend = inputs
+    x, _, f, post, res, backend = inputs
     ctx.backend = backend
-    ctx.save_for_backward(x, f, post)
+    ctx.save_for_backward(x, f, post, res)
 
 
 def _post_linked_backward(ctx, g):
-    x, f, post = ctx.saved_tensors
-    g = g.contiguous()
-    df, dpost, dres = post_backward_linked(x, f, post, g, ctx.backend)
-    return None, g, df, dpost, dres, None
+    x, f, post, res = ctx.saved_tensors
+    dx, df, dpost, dres = post_backward(x, f, post, res, g.contiguous(), ctx.backend)
+    return None, dx, df, dpost, dres, None
 
 
 post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
@@ -466,10 +423,9 @@ def mhc_post(x, layer_output, post, res, *, backend: str = "auto"):
 
 def mhc_site(x, phi, bias, alpha, layer, *, backend: str = "auto"):
     """One whole site, x_next = H_res x + H_post^T layer(H_pre x), the same values as mhc_post(x, layer(y), ...)
-    after mhc_pre, but with the lanes' gradient through H_res x computed once, inside the pre's backward (its
-    lane kernel adds H_res^T g to the dx it writes anyway): the post's backward reads x, g and f and writes df
-    only (10C per token at n = 4 instead of 14C), and the two dx of the separate ops are never added by
-    autograd (12C). layer: a function of [..., C] -> [..., C]."""
+    after mhc_pre, but the lanes' two gradients (the post's H_res^T g and the pre's) are summed inside the pre's
+    backward pass instead of by autograd in a pass of their own: 50C per token at n = 4 instead of 58C.
+    layer: a function of [..., C] -> [..., C]."""
     n, C = _check_site(x, phi, bias, alpha, "mhc_site")
     chosen = resolve_backend(backend, x)
     batch = tuple(x.shape[:-2])
