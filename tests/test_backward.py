@@ -178,6 +178,28 @@ def test_pre_backward_builds_for_sm90(n, C, linked, splits):
     assert "wgmma" in lanes.get_kernel_source()  # the dmix phi and dphi products run on tensor cores
 
 
+@pytest.mark.parametrize("n,C,sms", [(4, 2560, 132), (4, 4096, 132), (4, 7168, 132), (8, 4096, 132), (2, 40, 132),
+                                     (4, 4096, 78), (1, 100000, 16)])
+def test_lane_splits_fill_the_waves_of_ctas(n, C, sms):
+    # kernel 2 runs one CTA per SM: (column blocks x splits) CTAs in waves of `sms`; the policy takes the
+    # fewest splits whose waves are at least 90% full, or else the fullest waves there are
+    from mhc_lab.kernels.pre_backward import lane_splits_for, lane_tiling
+
+    lanes, columns = lane_tiling(n)
+    blocks = -(-C // columns) * (n // lanes)
+
+    def fullness(s):
+        return blocks * s / (sms * -(-(blocks * s) // sms))
+
+    chosen = lane_splits_for(n, C, sms)
+    assert 1 <= chosen <= 32
+    best = max(fullness(s) for s in range(1, 33))
+    if best >= 0.9:
+        assert fullness(chosen) >= 0.9 and all(fullness(s) < 0.9 for s in range(1, chosen))
+    else:
+        assert fullness(chosen) == best
+
+
 def test_backward_factories_refuse_bad_configurations():
     from mhc_lab.kernels.post_backward import post_backward_program
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program

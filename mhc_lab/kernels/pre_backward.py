@@ -385,6 +385,24 @@ def lane_tiling(n: int) -> tuple[int, int]:
     return 1, 32
 
 
+def lane_splits_for(n: int, C: int, sms: int, *, least_efficiency: float = 0.9, most: int = 32) -> int:
+    """Token splits S of kernel 2 on CUDA for a GPU with `sms` SMs. Its shared memory holds one CTA per SM,
+    so its (column blocks x S) CTAs run in waves of `sms`; the last wave's empty SMs are lost time (at
+    16384 x 2560 on the H200, 40 column blocks x 4 splits = 160 CTAs took 0.60 ms, more than 64 x 4 = 256
+    CTAs at C = 4096 took). The smallest S whose waves are at least `least_efficiency` full, else the fullest
+    (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum)."""
+    lanes, columns = lane_tiling(n)
+    blocks = -(-C // columns) * (n // lanes)
+
+    def fullness(splits: int) -> float:
+        ctas = blocks * splits
+        return ctas / (sms * -(-ctas // sms))
+
+    candidates = range(1, most + 1)
+    good = [s for s in candidates if fullness(s) >= least_efficiency]
+    return good[0] if good else max(candidates, key=lambda s: (fullness(s), -s))
+
+
 def dphi_from_partial(partial, n: int):
     """dphi [n^2+2n, nC] from kernel 2's CUDA output [splits, 2 gemm_depth(n), nC] (rows: the dmix_hi part,
     then the dmix_lo part, each padded): sum over splits and halves, in a fixed order."""

@@ -105,19 +105,11 @@ def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
 
 
-# The pre backward's lane kernel: CTAs wanted per SM. On the H200 at 16384 x 4096, token splits of 2, 4 and 8
-# (about 1, 2 and 4 CTAs per SM) timed within 3% of each other (training_h200.json, sweeps).
-LANE_CTAS_PER_SM = 2
-
-
 def _lane_splits(n: int, C: int, device: torch.device) -> int:
-    """Token splits of the pre backward's lane kernel: about LANE_CTAS_PER_SM CTAs per SM."""
-    from mhc_lab.kernels.pre_backward import lane_tiling
+    """Token splits of the pre backward's lane kernel: its CTAs in waves that fill the GPU's SMs."""
+    from mhc_lab.kernels.pre_backward import lane_splits_for
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    lanes, columns = lane_tiling(n)
-    blocks = -(-C // columns) * (n // lanes)
-    return max(1, min(32, round(LANE_CTAS_PER_SM * sms / blocks)))
+    return lane_splits_for(n, C, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _no_autocast(fn):
