@@ -176,3 +176,75 @@ def test_cuda_kernels_build_for_sm90():
     lookback = lookback_kernel(4, 2560, "bfloat16", "sm_90", splits=lookback_splits(2560), **LOOKBACK_DEFAULTS)
     src = lookback.get_kernel_source()
     assert "mhc_arrive" in src and "mhc_wait" in src  # the tile hand-off
+
+
+# ---- post fused with the next site's projection (kernels/post_project.py) ----------------------------------
+
+
+def _post_project_truth(x, f, post, res, phi, dtype):
+    """float64: the next lanes, and the next pre's projections and squared norm of those lanes as stored."""
+    out = mhc_post(x.double().cpu(), f.double().cpu(), post.double().cpu(), res.double().cpu())
+    stored = out.to(dtype).double()
+    flat = stored.reshape(out.shape[0], -1)
+    return out, torch.cat([flat @ phi.double().cpu().t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1)
+
+
+@pytest.mark.parametrize("n,C,tokens", [(4, 37, 5), (1, 9, 3), (2, 24, 7), (8, 5, 2), (4, 8, 1)])
+def test_cpu_post_project_matches_float64(n, C, tokens):
+    from mhc_lab.kernels.post_project import post_project_kernel
+
+    x, phi, _, _, f = _inputs(tokens, n, C, seed=C)
+    g = torch.Generator().manual_seed(tokens)
+    post, res = torch.rand(tokens, n, generator=g) * 2, torch.rand(tokens, n, n, generator=g)
+    want_out, want_partial = _post_project_truth(x, f, post, res, phi, torch.float32)
+    out = torch.full((tokens, n, C), float("nan"))
+    partial = torch.full((1, tokens, n * n + 2 * n + 1), float("nan"))
+    post_project_kernel(n, C, "float32", "c")(x, f, post, res, phi, out, partial)
+    _assert_close("next lanes", out, want_out, "cpu", "lanes")
+    scale = want_partial.abs().amax(-1, keepdim=True)  # relative to each token's largest projection
+    _assert_close("partial", partial[0] / scale, want_partial / scale, "cpu", "coefficients")
+
+
+def test_post_project_refuses_what_it_cannot_run():
+    from mhc_lab.kernels.post_project import post_project_program
+
+    with pytest.raises(ValueError, match="C must be a multiple of 8, got C = 100"):
+        post_project_program(4, 100, "bfloat16", "sm_90")
+    with pytest.raises(ValueError, match=r"expected 1 <= n <= 8 lanes, got n = 9"):
+        post_project_program(9, 64, "float32", "c")
+    with pytest.raises(ValueError, match="expected dtype in \\('bfloat16',\\), got 'float16'"):
+        post_project_program(4, 64, "float16", "sm_90")
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
+@pytest.mark.parametrize("n,C", [(4, 4096), (2, 200), (8, 40)])
+def test_post_project_builds_for_sm90(n, C):
+    from mhc_lab.kernels.post_project import post_project_kernel
+
+    src = post_project_kernel(n, C, "bfloat16", "sm_90").get_kernel_source()
+    assert "wgmma" in src  # the projection on the tensor cores
+    assert "tma_store" in src  # the new lanes leave from shared memory in bulk
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 257), (4, 40, 7), (4, 200, 33), (2, 72, 1), (8, 40, 65), (1, 72, 7)])
+def test_cuda_post_project_matches_float64(n, C, tokens):
+    from mhc_lab.kernels.post_project import post_project_kernel
+    from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
+
+    x, phi, _, _, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=C)
+    g = torch.Generator().manual_seed(tokens)
+    post, res = (torch.rand(tokens, n, generator=g) * 2).cuda(), torch.rand(tokens, n, n, generator=g).cuda()
+    want_out, _ = _post_project_truth(x, f, post, res, phi, torch.bfloat16)
+    phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device="cuda")
+    phi_split_kernel(n, C, "cuda")(phi, phi_hl)
+    out = torch.full_like(x, float("nan"))
+    partial = torch.full((4, tokens, n * n + 2 * n + 1), float("nan"), device="cuda")
+    post_project_kernel(n, C, "bfloat16", "cuda", splits=4)(x, f, post, res, phi_hl, out, partial)
+    _assert_close("next lanes", out, want_out, "cuda", "lanes")
+    got = partial.sum(0).double().cpu()
+    # against the projection of the lanes as the kernel stored them (a bf16 rounding of the next lanes apart)
+    _, of_stored = _post_project_truth(out.double(), torch.zeros_like(f), torch.zeros_like(post),
+                                       torch.eye(n, device="cuda").expand(tokens, n, n), phi, torch.float64)
+    scale = of_stored.abs().amax(-1, keepdim=True)
+    _assert_close("partial", got / scale, of_stored / scale, "cuda", "coefficients")

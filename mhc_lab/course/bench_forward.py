@@ -6,7 +6,8 @@
 For each shape (tokens x C, n = 4, bf16 lanes, float32 coefficients) it times, as medians of CUDA-event
 timings: the eager reference (mhc_lab.reference), torch.compile of it, DeepSeek's TileKernels forward
 (tile-kernels 1.0.0, inference path, 20 Sinkhorn rounds and post multiplier 2 passed explicitly), and ours
-(each plan of the pre kernel, plus every kernel alone); the device-to-device copy bandwidth (bytes read +
+(each plan of the pre kernel, plus every kernel alone, plus a site inside a stack of sites, where the previous
+post already projected the lanes: 'ours_stream'); the device-to-device copy bandwidth (bytes read +
 written); our GB/s on the least bytes a site must move (14 C elements of 2 bytes per token) and its
 fraction of the copy bandwidth; and the relative error of every implementation against the reference.
 Results go to mhc_lab/recorded/forward_h200.json (tagged with GPU, driver, versions, date) unless --no-save.
@@ -175,7 +176,56 @@ def bench_shape(tokens, C, bench, *, skip=(), plans=PLANS, variants=(), log=prin
     out["time_ms"]["post"] = bench(lambda: mhc_post_fused(x, o.layer_input, o.post, o.res, out=post_out)) * 1e3
     out["rel_err"]["post"] = _rel(post_out, mhc_post(x, o.layer_input, o.post, o.res))
     out["time_ms"].update(_split_components(x, phi, bias, alpha, bench))
+    if "stream" not in skip:
+        try:
+            times, errors = _stream_site(x, phi, bias, alpha, bench, ref_out)
+            out["time_ms"].update(times)
+            out["rel_err"].update(errors)
+            log(f"  {'ours_stream':22s} {times['ours_stream']:8.3f} ms  rel err {errors['ours_stream']:.2e} "
+                f"(apply {times['stream.apply']:.3f}, post + next projection {times['stream.post_project']:.3f})")
+        except Exception as e:  # noqa: BLE001
+            out["errors"]["ours_stream"] = repr(e)[:500]
+            log(f"  {'ours_stream':22s} FAILED {repr(e)[:200]}")
     return out
+
+
+def _stream_site(x, phi, bias, alpha, bench, ref_out) -> tuple[dict, dict]:
+    """A site inside a stack of sites, in its steady state: the previous site's post already projected these
+    lanes (kernels/post_project.py), so the pre runs only its apply pass, and this site's post projects the
+    lanes it writes for the next site (here with the same phi: the cost does not depend on its values).
+    Moves 14 C elements per token at n = 4, the least a site must."""
+    from mhc_lab.kernels._coefficients import mixes_width
+    from mhc_lab.kernels.post_project import post_project_kernel
+    from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
+    from mhc_lab.kernels.pre_split import phi_rows, split_kernels
+
+    tokens, n, C = x.shape
+    S = SPLIT_DEFAULTS["splits"]
+    phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda", **SPLIT_DEFAULTS)
+    fused = post_project_kernel(n, C, "bfloat16", "cuda", splits=S)
+    phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device="cuda")
+    phi_split(phi, phi_hl)
+    partial_in, partial_out = (torch.empty((S, tokens, mixes_width(n) + 1), device="cuda") for _ in range(2))
+    project(x.view(tokens, n * C), phi_hl, partial_in)  # what the previous site's post would have written
+    y = torch.empty((tokens, C), dtype=x.dtype, device="cuda")
+    pre, post = (torch.empty((tokens, n), device="cuda") for _ in range(2))
+    res = torch.empty((tokens, n, n), device="cuda")
+    new = torch.full_like(x, float("nan"))
+    partial_out.fill_(float("nan"))
+
+    def site():
+        apply(x, partial_in, bias, alpha, y, pre, post, res)
+        fused(x, y, post, res, phi_hl, new, partial_out)
+
+    site()
+    torch.cuda.synchronize()
+    flat = new.float().view(tokens, n * C)
+    want = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1)
+    errors = {"ours_stream": _rel(new, ref_out), "stream.partial": _rel(partial_out.sum(0), want)}
+    times = {"ours_stream": bench(site) * 1e3,
+             "stream.apply": bench(lambda: apply(x, partial_in, bias, alpha, y, pre, post, res)) * 1e3,
+             "stream.post_project": bench(lambda: fused(x, y, post, res, phi_hl, new, partial_out)) * 1e3}
+    return times, errors
 
 
 def _split_components(x, phi, bias, alpha, bench) -> dict:
@@ -247,7 +297,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench forward", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES),
                         help="comma-separated TOKENSxC (default: the three issue shapes)")
-    parser.add_argument("--skip", default="", help="comma-separated baselines to skip: eager,compile,tilekernels")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: eager,compile,tilekernels,stream")
     parser.add_argument("--plans", default=",".join(PLANS), help="pre plans of ours to time: split,lookback,cluster")
     parser.add_argument("--name", default="forward_h200", help="recording name (mhc_lab/recorded/NAME.json)")
     parser.add_argument("--out", "--out-dir", dest="out_dir", default=None,

@@ -1,0 +1,173 @@
+# post of one site fused with the projection of the next site's pre: the lanes a post writes are the lanes the
+# next pre must project, so project them while they are still on chip.
+#
+#   out[t, i, c]    = sum_j H_res[t, i, j] x[t, j, c] + H_post[t, i] f[t, c]          (post, arXiv 2512.24880 Eq. 3)
+#   partial[s, t, q] = sum_{i, c in split s} out[t, i, c] phi'[q, i C + c]            (next pre's projection)
+#   partial[s, t, M] = sum_{i, c in split s} out[t, i, c]^2                           (next pre's squared norm)
+#
+# where phi' is the next site's phi, out is rounded to the lanes' dtype before it is projected (so the partial
+# sums are those of the lanes the next pre reads), and M = n^2 + 2n. The next pre then needs only its apply
+# pass (pre_split.apply_program), which reads the lanes once: a stack of sites moves per site
+#   post + projection: reads (n + 1) C, writes n C;   apply: reads n C, writes C     -> (3n + 2) C elements,
+# 14 C at n = 4, the least a site must move, instead of the 18 C of post + split pre (which reads x twice).
+# The first site of a stack still needs one projection pass of its own.
+#
+# One factory, two targets. CUDA: a CTA owns block_m tokens and one of `splits` ranges of columns; per column
+# block it copies the n lane tiles, the f tile and the next phi's columns (bf16 hi and lo rows, as the split
+# plan's projection takes them) into shared memory, mixes the lanes in float32 into an output tile in shared
+# memory, stores it, and multiplies it with phi on the tensor cores into a [block_m x (2M padded)] float32
+# accumulator; the squared norm is summed on the way. C target: the same arithmetic in plain loops.
+"""post fused with the next site's projection: out = H_res x + H_post f, and the partial sums the next pre's
+apply pass starts from (CUDA tiles or TileLang's C target)."""
+
+
+import functools
+
+import tilelang.language as T
+
+from mhc_lab.kernels._coefficients import mixes_width
+from mhc_lab.kernels._target import (
+    canonical_target,
+    ceil_div,
+    check_lanes_and_width,
+    check_target_dtype,
+    compile_program,
+    round_up,
+)
+from mhc_lab.kernels.pre_split import phi_rows
+
+def _check(n: int, C: int, dtype: str, target: str) -> str:
+    check_lanes_and_width("post + projection kernel", n, C, max_lanes=8)
+    t = check_target_dtype("post + projection kernel", dtype, target, ("bfloat16",))
+    if t != "c" and C % 8:
+        raise ValueError(f"post + projection kernel: CUDA copies 16-byte rows of each lane, so C must be a multiple "
+                         f"of 8, got C = {C}")
+    return t
+
+
+def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
+                         block_m: int = 64, block_k: int = 64, stages: int = 2, threads: int = 128,
+                         block_tokens: int = 4):
+    """The tile program of post + next projection for n lanes of width C.
+
+    Arguments at run time: x [T, n, C], f [T, C], post [T, n] f32, res [T, n, n] f32, then the next site's phi:
+    on CUDA phi_hl [phi_rows(n), nC] bf16 (pre_split.phi_split_program's hi and lo rows), on the C target phi
+    [n^2+2n, nC] f32; then the outputs out [T, n, C] and partial [S, T, n^2+2n+1] f32 with S = splits on CUDA
+    (column ranges, summed by the apply pass) and S = 1 on the C target. T is dynamic.
+    """
+    t = _check(n, C, dtype, target)
+    M = mixes_width(n)
+    K = n * C
+    NT = T.dynamic("T")
+    lanes = list(range(n))
+
+    if t == "c":
+        BT = block_tokens
+
+        @T.prim_func
+        def post_project_c(
+            x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), post: T.Tensor((NT, n), "float32"),
+            res: T.Tensor((NT, n, n), "float32"), phi: T.Tensor((M, K), "float32"),
+            out: T.Tensor((NT, n, C), dtype), partial: T.Tensor((1, NT, M + 1), "float32"),
+        ):
+            with T.Kernel(T.ceildiv(NT, BT)) as b:
+                mix = T.alloc_local((M + 1,), "float32")
+                for tt in T.serial(BT):
+                    tok = b * BT + tt
+                    if tok < NT:
+                        for q in T.serial(M + 1):
+                            mix[q] = T.float32(0)
+                        for c in T.serial(C):
+                            xs = [T.cast(x[tok, j, c], "float32") for j in lanes]
+                            fv = T.cast(f[tok, c], "float32")
+                            for i in T.unroll(n):
+                                o = T.cast(sum([res[tok, i, j] * xs[j] for j in lanes], post[tok, i] * fv), dtype)
+                                out[tok, i, c] = o
+                                v = T.cast(o, "float32")
+                                mix[M] += v * v
+                                for q in T.serial(M):
+                                    mix[q] += v * phi[q, i * C + c]
+                        for q in T.serial(M + 1):
+                            partial[0, tok, q] = mix[q]
+
+        return post_project_c
+
+    NP = phi_rows(n)
+    NCOEF = n * n + n
+    BM, BK, S = block_m, block_k, splits
+    KS = round_up(ceil_div(C, S), BK)  # columns per split, whole blocks
+    NK = KS // BK
+
+    @T.prim_func
+    def post_project_cuda(
+        x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), post: T.Tensor((NT, n), "float32"),
+        res: T.Tensor((NT, n, n), "float32"), phi_hl: T.Tensor((NP, K), "bfloat16"),
+        out: T.Tensor((NT, n, C), dtype), partial: T.Tensor((S, NT, M + 1), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, BM), S, threads=threads) as (bm, s):
+            cs = T.alloc_shared((BM, NCOEF), "float32")
+            xs = [T.alloc_shared((BM, BK), dtype) for _ in lanes]
+            fs = T.alloc_shared((BM, BK), dtype)
+            ps = [T.alloc_shared((NP, BK), "bfloat16") for _ in lanes]
+            os = [T.alloc_shared((BM, BK), dtype) for _ in lanes]
+            acc = T.alloc_fragment((BM, NP), "float32")
+            sq_acc = T.alloc_fragment((BM, BK), "float32")
+            sq = T.alloc_fragment((BM,), "float32")
+            out_s = T.alloc_shared((BM, NP), "float32")
+            t0 = bm * BM
+            for tt, k in T.Parallel(BM, NCOEF):
+                tok = t0 + tt
+                if k < n * n:
+                    cs[tt, k] = T.if_then_else(tok < NT, res[T.min(tok, NT - 1), k // n, k % n], T.float32(0))
+                else:
+                    cs[tt, k] = T.if_then_else(tok < NT, post[T.min(tok, NT - 1), k - n * n], T.float32(0))
+            T.clear(acc)
+            T.clear(sq_acc)
+            for kk in T.Pipelined(NK, num_stages=stages):
+                c0 = s * KS + kk * BK
+                for j in lanes:
+                    T.copy(x[t0 : t0 + BM, j, c0 : c0 + BK], xs[j])
+                    T.copy(phi_hl[0:NP, j * C + c0 : j * C + c0 + BK], ps[j])
+                T.copy(f[t0 : t0 + BM, c0 : c0 + BK], fs)
+                for tt, c in T.Parallel(BM, BK):
+                    xv = [T.cast(xs[j][tt, c], "float32") for j in lanes]
+                    fv = T.cast(fs[tt, c], "float32")
+                    for i in lanes:
+                        o = T.cast(sum([cs[tt, i * n + j] * xv[j] for j in lanes], cs[tt, n * n + i] * fv), dtype)
+                        # past the last column o is 0 (x and f arrive zero-filled), so phi columns that belong to
+                        # the next lane, read there, add nothing
+                        os[i][tt, c] = o
+                        v = T.cast(o, "float32")
+                        sq_acc[tt, c] += v * v
+                for i in lanes:
+                    T.copy(os[i], out[t0 : t0 + BM, i, c0 : c0 + BK])
+                for i in lanes:
+                    T.gemm(os[i], ps[i], acc, transpose_B=True)
+            T.reduce_sum(sq_acc, sq, dim=1)
+            T.copy(acc, out_s)
+            for tt, q in T.Parallel(BM, M):
+                tok = t0 + tt
+                if tok < NT:
+                    partial[s, tok, q] = out_s[tt, q] + out_s[tt, M + q]
+            for tt in T.Parallel(BM):
+                tok = t0 + tt
+                if tok < NT:
+                    partial[s, tok, M] = sq[tt]
+
+    return post_project_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def post_project_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", **tuning):
+    """The compiled post + next projection (cached per process):
+    ``kernel(x, f, post, res, phi_next, out, partial)``."""
+    t = canonical_target(target)
+    return compile_program(post_project_program(n, C, dtype, t, **tuning), t)
+
+
+def post_project_bytes(n: int, C: int, itemsize: int = 2, splits: int = 4) -> dict:
+    """Least bytes per token the fused kernel moves (the post's, plus the partial sums it writes)."""
+    read = (n + 1) * C * itemsize + (n * n + n) * 4
+    write = n * C * itemsize + splits * (mixes_width(n) + 1) * 4
+    return {"read": read, "write": write, "total": read + write,
+            "flops": 2 * (n + 1) * n * C + 2 * 2 * mixes_width(n) * n * C}
