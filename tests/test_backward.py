@@ -178,6 +178,17 @@ def test_pre_backward_builds_for_sm90(n, C, linked, splits):
     assert "wgmma" in lanes.get_kernel_source()  # the dmix phi and dphi products run on tensor cores
 
 
+@needs_nvcc
+def test_lane_kernel_prefetch_of_the_posts_dx_builds_for_sm90():
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+
+    plain, prefetch = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, splits=2,
+                                                                  prefetch_dx_post=p), "sm_90").get_kernel_source()
+                       for p in (False, True))
+    assert "dxp[" in prefetch and "dxp[" not in plain  # a register tile loaded ahead of the lane's GEMMs
+
+
 @pytest.mark.parametrize("n,C,sms", [(4, 2560, 132), (4, 4096, 132), (4, 7168, 132), (8, 4096, 132), (2, 40, 132),
                                      (4, 4096, 78), (1, 100000, 16)])
 def test_lane_splits_fill_the_waves_of_ctas(n, C, sms):

@@ -6,8 +6,8 @@
 Site (n = 4, bf16 lanes, float32 coefficients, 20 Sinkhorn rounds, layer F = identity): forward and the
 gradients of x, phi, bias and alpha for a random upstream gradient, timed as medians (L2 flushed between
 runs) for ours (the fused kernels through mhc_lab.ops.training: mhc_pre then mhc_post, and mhc_site, which
-links them so that the post's lanes gradient is computed in the pre's backward), DeepSeek's TileKernels (tile-kernels 1.0.0,
-its autograd path), torch.compile of the reference and the eager reference; every gradient is compared
+links them so that the lanes' two gradients are summed in the pre's backward pass), DeepSeek's TileKernels
+(tile-kernels 1.0.0, its autograd path), torch.compile of the reference and the eager reference; every gradient is compared
 with the float32 reference on the same inputs.
 
 Block (pre-norm causal attention + 4C GELU MLP, bf16, 4 sequences x 4096 tokens): forward + backward of one
@@ -146,9 +146,9 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
 
 def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_variants=()) -> dict:
     """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
-    ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"}), kernel 2 for each tuning
-    variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products"}); every
-    variant's outputs are compared with the first's."""
+    ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"}), kernel 2
+    for each tuning variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products",
+    "add_dx", "prefetch_dx_post"}); every variant's outputs are compared with the first's of the same add_dx."""
     from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
 
     x, phi, bias, alpha = _inputs(tokens, C, seed=2)
@@ -189,22 +189,25 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
             row["error"] = repr(e)[:400]
             log(f"    kernel 1 {cfg}: FAILED {repr(e)[:300]}")
         out["coefficients"].append(row)
-    reference = None
+    references = {}  # the first variant's outputs, per add_dx (the linked site's kernel also adds dx_post)
+    dx_post = torch.randn_like(x)
     for cfg in variants:
         row = dict(cfg)
         try:
             splits = cfg.get("lane_splits", 1)
+            add_dx = bool(cfg.get("add_dx", False))
             _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0], **cfg)
             dx = torch.empty_like(x)
             dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
-            lanes(x, dy, dsplit, coef, phi, dx, dphi_partial)
+            args = (x, dy, dsplit, coef, phi, *([dx_post] if add_dx else []), dx, dphi_partial)
+            lanes(*args)
             dphi = dphi_from_partial(dphi_partial, n)
-            if reference is None:
-                reference = (dx.clone(), dphi.clone())
+            reference = references.setdefault(add_dx, (dx.clone(), dphi.clone()))
             row["rel_dx"], row["rel_dphi"] = _rel(dx, reference[0]), _rel(dphi, reference[1])
-            row["ms"] = bench(lambda: lanes(x, dy, dsplit, coef, phi, dx, dphi_partial)) * 1e3
-            row["gbps_9C"] = tokens * 9 * C * 2 / (row["ms"] * 1e-3) / 1e9
-            log(f"    {cfg}: {row['ms']:.3f} ms, {row['gbps_9C']:.0f} GB/s on 9C, "
+            row["ms"] = bench(lambda: lanes(*args)) * 1e3
+            moved = 13 if add_dx else 9
+            row[f"gbps_{moved}C"] = tokens * moved * C * 2 / (row["ms"] * 1e-3) / 1e9
+            log(f"    {cfg}: {row['ms']:.3f} ms, {row[f'gbps_{moved}C']:.0f} GB/s on {moved}C, "
                 f"vs first: dx {row['rel_dx']:.1e} dphi {row['rel_dphi']:.1e}")
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:400]

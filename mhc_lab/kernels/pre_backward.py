@@ -36,7 +36,13 @@ import functools
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_backward_macro, mixes_width, sinkhorn_steps
-from mhc_lab.kernels._target import canonical_target, check_lanes_and_width, check_target_dtype, compile_program, round_up
+from mhc_lab.kernels._target import (
+    canonical_target,
+    check_lanes_and_width,
+    check_target_dtype,
+    compile_program,
+    round_up,
+)
 
 EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
 
@@ -214,7 +220,7 @@ def gemm_depth(n: int) -> int:
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                               dx_products: int = 3, threads: int = 128):
+                               dx_products: int = 3, threads: int = 128, prefetch_dx_post: bool = False):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -223,7 +229,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
     CUDA tuning: lane_group lanes per CTA (default lane_tiling(n), which also picks block_c), token tiles of
     block_tokens, stages > 1 pipelines the token loop, dx_products 3 (dmix and phi both split into bf16
-    hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx)."""
+    hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx);
+    prefetch_dx_post (add_dx only) loads each lane's dx_post tile into registers before that lane's GEMMs, so
+    the load overlaps them, instead of reading it where it is added."""
     t = _check("pre backward (lanes)", n, C, dtype, target)
     M = mixes_width(n)
     K = n * C
@@ -302,6 +310,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             coef_s = T.alloc_shared((BT, CP), "float32")  # H_pre per lane, then 2 ds
             acc = T.alloc_fragment((BT, BC), "float32")
             dxf = T.alloc_fragment((BT, BC), dtype)
+            dxp = T.alloc_fragment((BT, BC), dtype) if dx_post is not None and prefetch_dx_post else None
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
             c0 = bc * BC
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
@@ -329,6 +338,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
                 for jj in group:
                     j = lg * LG + jj
+                    if dxp is not None:
+                        T.copy(dx_post[t0 : t0 + BT, j, c0 : c0 + BC], dxp)
                     T.clear(acc)
                     T.gemm(a_dx, phi_s[jj], acc)
                     if dx_products == 3:
@@ -336,7 +347,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
-                        if dx_post is not None:  # the post's gradient of the same lanes, read once
+                        if dxp is not None:  # the post's gradient of the same lanes, read once
+                            v = v + T.cast(dxp[tt, c], "float32")
+                        elif dx_post is not None:
                             v = v + T.cast(dx_post[T.min(t0 + tt, NT - 1), j, T.min(c0 + c, C - 1)], "float32")
                         dxf[tt, c] = T.cast(v, dtype)
                     T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
@@ -415,12 +428,13 @@ def dphi_from_partial(partial, n: int):
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                         dx_products: int = 3):
+                         dx_products: int = 3, prefetch_dx_post: bool = False):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial)."""
     t = canonical_target(target)
     coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
-                                   "block_c": block_c, "stages": stages, "dx_products": dx_products}
+                                   "block_c": block_c, "stages": stages, "dx_products": dx_products,
+                                   "prefetch_dx_post": prefetch_dx_post}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
     return coefficients, lanes
