@@ -260,6 +260,10 @@ class _Block(nn.Module):
                                                  sinkhorn_repeat=20)
                 h = tk_post(layer(y), h, post_mix, comb_mix)
             return h
+        if self.connection == "mhc_ours":
+            from mhc_lab.ops.training import run_sites
+
+            return run_sites(h, self.sites, self.layers)  # the first site's post projects for the second's pre
         for site, layer in zip(self.sites, self.layers):
             h = site(h, layer)
         return h

@@ -44,15 +44,20 @@ def choose_plan(n: int, C: int, plan: str = "auto") -> str:
     return plan
 
 
-def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, plan: str = "auto", partial=None, **overrides) -> str:
+def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, plan: str = "auto", partial=None, projected=False,
+                 **overrides) -> str:
     """Fill y, pre, post, res for lanes x [T, n, C] (bf16, contiguous, on the current CUDA device).
 
     partial: optional [splits, T, n^2+2n+1] float32 buffer (split plan only) that keeps the projection
-    pass's output for a backward; splits = SPLIT_DEFAULTS['splits'] unless overridden."""
+    pass's output for a backward; splits = SPLIT_DEFAULTS['splits'] unless overridden. projected=True: partial
+    already holds the projection of x with this phi (the previous site's post made it:
+    kernels/post_project.py), so only the apply pass runs."""
     tokens, n, C = x.shape
     if (n * C) % 8 != 0:
         raise ValueError(f"CUDA pre kernels read 16-byte rows: n * C must be a multiple of 8, got n = {n}, C = {C}")
     chosen = choose_plan(n, C, plan)
+    if projected and partial is None:
+        raise ValueError("projected=True: expected the partial sums of x's projection in partial, got None")
     if partial is not None and chosen != "split":
         raise ValueError(f"partial: only the split plan keeps the projection's partial sums, got plan {chosen!r}")
     if chosen == "cluster":
@@ -82,7 +87,8 @@ def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, plan: str = "auto", 
         partial = torch.empty(shape, dtype=torch.float32, device=x.device)
     elif tuple(partial.shape) != shape or partial.dtype != torch.float32:
         raise ValueError(f"partial: expected shape {shape} float32, got {tuple(partial.shape)} {partial.dtype}")
-    phi_split(phi, phi_hl)
-    project(x.view(tokens, n * C), phi_hl, partial)
+    if not projected:
+        phi_split(phi, phi_hl)
+        project(x.view(tokens, n * C), phi_hl, partial)
     apply(x, partial, bias, alpha, y, pre, post, res)
     return chosen

@@ -125,9 +125,14 @@ def _no_autocast(fn):
 
 @torch.library.custom_op("mhc_lab::pre_forward", mutates_args=())
 @_no_autocast
-def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str
+def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str,
+                partial_in: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, n, C] -> (y [T, C], post [T, n], res [T, n, n], pre [T, n], partial [S, T, n^2+2n+1], link).
+
+    partial_in: the projection of x with this phi, made by the previous site's post (post_forward_linked with
+    phi_next): the kernels then skip their own projection pass, and the partial output is empty ([0]), since
+    the backward takes partial_in.
 
     Coefficients and partial are float32 (float64 for float64 lanes, reference backend only). link stands for
     the mixed lanes H_res x without holding them (a [T, n, C] view of one zero): post_forward_linked adds
@@ -135,10 +140,14 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
     this op's backward adds to its dx in the same pass (autograd would add the two dx in another)."""
     tokens, n, C = x.shape
     link = _link(x)
+    projected = partial_in is not None
+    if projected:
+        _check_partial(partial_in, x, backend, "pre_forward")
     if backend == "reference":
         co = mhc_coefficients(x, phi, bias, alpha)
         y = reference_pre(x, co.pre)
-        outputs = (y, co.post, co.res, co.pre, _partial_reference(x, phi))
+        partial = _no_partial(x) if projected else _partial_reference(x, phi)
+        outputs = (y, co.post, co.res, co.pre, partial)
         return (*(t.contiguous() for t in outputs), link)  # the custom op promises contiguous outputs
     m = mixes_width(n)
     y = torch.empty((tokens, C), dtype=x.dtype, device=x.device)
@@ -153,16 +162,17 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
         if tokens:
             with torch.cuda.device(x.device):
                 run_pre_cuda(x.contiguous(), phi32, bias32, alpha32, y, pre, post, res, plan="split",
-                             partial=partial)
-        return y, post, res, pre, partial, link
+                             partial=partial_in.contiguous() if projected else partial, projected=projected)
+        return y, post, res, pre, _no_partial(x) if projected else partial, link
     from mhc_lab.kernels.pre import pre_kernel_c, projection_kernel_c
 
-    partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
+    partial = _no_partial(x) if projected else torch.empty((1, tokens, m + 1), dtype=torch.float32)
     if tokens:
         x32 = x.float().contiguous()
         y32 = y if x.dtype == torch.float32 else torch.empty((tokens, C), dtype=torch.float32)
-        pre_kernel_c(n, C)(x32, phi32, bias32, alpha32, y32, pre, post, res)
-        projection_kernel_c(n, C)(x32, phi32, partial)
+        pre_kernel_c(n, C)(x32, phi32, bias32, alpha32, y32, pre, post, res)  # (the C program projects anyway)
+        if not projected:
+            projection_kernel_c(n, C)(x32, phi32, partial)
         if y32 is not y:
             y.copy_(y32)
     return y, post, res, pre, partial, link
@@ -172,18 +182,36 @@ def _link(x: torch.Tensor) -> torch.Tensor:
     return x.new_zeros(1).expand(x.shape)
 
 
-@pre_forward.register_fake
-def _(x, phi, bias, alpha, backend):
-    tokens, n, C = x.shape
-    m = mixes_width(n)
-    splits = 1
+def _no_partial(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty((0,), dtype=coefficient_dtype(x), device=x.device)
+
+
+def partial_splits(backend: str, x: torch.Tensor) -> int:
+    """The first axis of the partial sums a backend's pre projects into (and takes as partial_in)."""
     if backend == "kernels" and x.device.type == "cuda":
         from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
 
-        splits = SPLIT_DEFAULTS["splits"]
+        return SPLIT_DEFAULTS["splits"]
+    return 1
+
+
+def _check_partial(partial: torch.Tensor, x: torch.Tensor, backend: str, op: str) -> None:
+    tokens, n, _ = x.shape
+    shape = (partial_splits(backend, x), tokens, mixes_width(n) + 1)
+    if tuple(partial.shape) != shape or partial.dtype != coefficient_dtype(x) or partial.device != x.device:
+        raise InputError(f"{op}: partial_in: expected shape {shape}, dtype {coefficient_dtype(x)} on {x.device} "
+                         f"(backend {backend!r}), got {_describe(partial)}")
+
+
+@pre_forward.register_fake
+def _(x, phi, bias, alpha, backend, partial_in=None):
+    tokens, n, C = x.shape
+    m = mixes_width(n)
     cd = dict(dtype=coefficient_dtype(x), device=x.device)
+    partial = (torch.empty((0,), **cd) if partial_in is not None
+               else x.new_empty((partial_splits(backend, x), tokens, m + 1), **cd))
     return (x.new_empty((tokens, C)), x.new_empty((tokens, n), **cd), x.new_empty((tokens, n, n), **cd),
-            x.new_empty((tokens, n), **cd), x.new_empty((splits, tokens, m + 1), **cd), _link(x))
+            x.new_empty((tokens, n), **cd), partial, _link(x))
 
 
 @torch.library.custom_op("mhc_lab::pre_backward", mutates_args=())
@@ -251,10 +279,10 @@ def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, backend)
 
 
 def _pre_setup_context(ctx, inputs, output):
-    x, phi, bias, alpha, backend = inputs
+    x, phi, bias, alpha, backend, partial_in = inputs
     _, _, res, pre, partial, _ = output
     ctx.backend = backend
-    ctx.save_for_backward(x, phi, bias, alpha, pre, partial, res)
+    ctx.save_for_backward(x, phi, bias, alpha, pre, partial if partial_in is None else partial_in, res)
     ctx.mark_non_differentiable(pre, partial)
     # an unused output's gradient must arrive as None: materialised, the unused link would hand the backward a
     # zero [T, n, C] gradient to add and turn a separate site's pre backward into the linked one (more bytes)
@@ -269,7 +297,7 @@ def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
     dx_post = None if dlink is None else dlink.contiguous()
     dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res, dy.contiguous(),
                                            dpost.contiguous(), dres.contiguous(), dx_post, ctx.backend)
-    return dx, dphi, dbias, dalpha, None
+    return dx, dphi, dbias, dalpha, None, None
 
 
 pre_forward.register_autograd(_pre_backward, setup_context=_pre_setup_context)
@@ -348,28 +376,74 @@ post_forward.register_autograd(_post_backward, setup_context=_post_setup_context
 @torch.library.custom_op("mhc_lab::post_forward_linked", mutates_args=())
 @_no_autocast
 def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, post: torch.Tensor,
-                        res: torch.Tensor, backend: str) -> torch.Tensor:
-    """The next lanes link + H_post f, where link (from pre_forward on the same x) stands for H_res x, which is
-    computed here from x and res. Its backward is post_forward's, except that the lanes' gradient H_res^T g
-    goes back as link's gradient (to pre_forward's backward, which adds it to its own dx), not as x's."""
-    return post_forward(x, f, post, res, backend)
+                        res: torch.Tensor, backend: str, phi_next: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the next lanes link + H_post f, partial_next), where link (from pre_forward on the same x) stands for
+    H_res x, which is computed here from x and res. Its backward is post_forward's, except that the lanes'
+    gradient H_res^T g goes back as link's gradient (to pre_forward's backward, which adds it to its own dx),
+    not as x's.
+
+    phi_next: the next site's phi. The next lanes are then also projected with it while they are on chip
+    (kernels/post_project.py), and partial_next [S, T, n^2+2n+1] is what the next pre_forward takes as
+    partial_in; without phi_next partial_next is empty ([0]). partial_next carries no gradient: the next
+    pre's backward differentiates its projection itself."""
+    if phi_next is None:
+        return post_forward(x, f, post, res, backend), _no_partial(x)
+    tokens, n, C = x.shape
+    if backend == "reference":
+        out = reference_post(x, f, post, res).contiguous()
+        return out, _partial_reference(out, phi_next).contiguous()
+    m = mixes_width(n)
+    post32, res32, phi32 = post.float().contiguous(), res.float().contiguous(), phi_next.float().contiguous()
+    from mhc_lab.kernels.post_project import post_project_kernel
+
+    if x.device.type == "cuda":
+        from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
+
+        splits = partial_splits(backend, x)
+        out = torch.empty_like(x)
+        partial = torch.empty((splits, tokens, m + 1), dtype=torch.float32, device=x.device)
+        if tokens:
+            with torch.cuda.device(x.device):
+                phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
+                phi_split_kernel(n, C, "cuda")(phi32, phi_hl)
+                post_project_kernel(n, C, "bfloat16", "cuda", splits=splits)(
+                    x.contiguous(), f.contiguous(), post32, res32, phi_hl, out, partial)
+        return out, partial
+    out32 = torch.empty(x.shape, dtype=torch.float32)
+    partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
+    if tokens:
+        post_project_kernel(n, C, "float32", "c")(x.float().contiguous(), f.float().contiguous(), post32, res32,
+                                                  phi32, out32, partial)
+    return (out32 if x.dtype == torch.float32 else out32.to(x.dtype)), partial
 
 
 @post_forward_linked.register_fake
-def _(x, link, f, post, res, backend):
-    return torch.empty_like(x)
+def _(x, link, f, post, res, backend, phi_next=None):
+    if phi_next is None:
+        return torch.empty_like(x), torch.empty((0,), dtype=coefficient_dtype(x), device=x.device)
+    tokens, n, _ = x.shape
+    return torch.empty_like(x), x.new_empty((partial_splits(backend, x), tokens, mixes_width(n) + 1),
+                                            dtype=coefficient_dtype(x))
+
+
+def fused_projection_applies(backend: str, x: torch.Tensor) -> bool:
+    """Whether a post can project its lanes for the next site (post_forward_linked's phi_next): always for the
+    reference and the C target; on CUDA when the fused kernel's 16-byte row copies fit (C a multiple of 8)."""
+    return backend == "reference" or x.device.type != "cuda" or x.shape[-1] % 8 == 0
 
 
 def _post_linked_setup_context(ctx, inputs, output):
-    x, _, f, post, res, backend = inputs
+    x, _, f, post, res, backend, _ = inputs
     ctx.backend = backend
     ctx.save_for_backward(x, f, post, res)
+    ctx.mark_non_differentiable(output[1])
 
 
-def _post_linked_backward(ctx, g):
+def _post_linked_backward(ctx, g, _dpartial):
     x, f, post, res = ctx.saved_tensors
     dx, df, dpost, dres = post_backward(x, f, post, res, g.contiguous(), ctx.backend)
-    return None, dx, df, dpost, dres, None
+    return None, dx, df, dpost, dres, None, None
 
 
 post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
@@ -418,15 +492,48 @@ def mhc_site(x, phi, bias, alpha, layer, *, backend: str = "auto"):
     after mhc_pre, but the lanes' two gradients (the post's H_res^T g and the pre's) are summed inside the pre's
     backward pass instead of by autograd in a pass of their own: 50C per token at n = 4 instead of 58C.
     layer: a function of [..., C] -> [..., C]."""
+    return mhc_site_chained(x, phi, bias, alpha, layer, backend=backend)[0]
+
+
+def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None, backend: str = "auto"):
+    """mhc_site inside a chain of sites: (x_next, partial_next).
+
+    partial: the projection of x with this site's phi, made by the previous site (or None: this site's pre
+    projects x itself). next_phi: the next site's phi (or None): this site's post then projects x_next with it
+    while x_next is on chip, so the next pre reads the lanes once instead of twice (4C fewer per token at
+    n = 4 in the forward). partial_next is None when next_phi is None or the fused projection does not apply
+    (fused_projection_applies)."""
     n, C = _check_site(x, phi, bias, alpha, "mhc_site")
     chosen = resolve_backend(backend, x)
     batch = tuple(x.shape[:-2])
     lanes = x.reshape(-1, n, C)
-    y, post, res, _, _, link = pre_forward(lanes, phi, bias, alpha, chosen)
+    y, post, res, _, _, link = pre_forward(lanes, phi, bias, alpha, chosen, partial)
     f = layer(y.view(*batch, C))
     _check_layer_output(x, f, "mhc_site")
-    out = post_forward_linked(lanes, link, f.reshape(-1, C), post, res, chosen)
-    return out.view(*batch, n, C)
+    if next_phi is not None:
+        require_tensor("next_phi", next_phi)
+        if tuple(next_phi.shape) != tuple(phi.shape) or next_phi.device != x.device:
+            raise InputError(f"mhc_site: next_phi: expected shape {tuple(phi.shape)} on {x.device} (the next site "
+                             f"of the same n and C), got {_describe(next_phi)}")
+        if not fused_projection_applies(chosen, x):
+            next_phi = None
+    out, partial_next = post_forward_linked(lanes, link, f.reshape(-1, C), post, res, chosen, next_phi)
+    return out.view(*batch, n, C), (partial_next if next_phi is not None else None)
+
+
+def run_sites(x, connections, layers):
+    """x through a chain of MHCConnections, each around its layer; every post projects its lanes for the next
+    site's pre (mhc_site_chained), so inside the chain the lanes are read once per site, not twice."""
+    connections, layers = list(connections), list(layers)
+    if len(connections) != len(layers):
+        raise InputError(f"run_sites: expected one connection per layer, got {len(connections)} connections and "
+                         f"{len(layers)} layers")
+    partial = None
+    for i, (connection, layer) in enumerate(zip(connections, layers)):
+        following = connections[i + 1] if i + 1 < len(connections) else None
+        chain = following is not None and following.backend == connection.backend and following.n == connection.n
+        x, partial = connection.chained(x, layer, partial, following.phi if chain else None)
+    return x
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -450,6 +557,12 @@ class MHCConnection(nn.Module):
     def forward(self, x: torch.Tensor, layer) -> torch.Tensor:
         require_lanes("x", x, n=self.n)
         return mhc_site(x, self.phi, self.bias, self.alpha, layer, backend=self.backend)
+
+    def chained(self, x: torch.Tensor, layer, partial=None, next_phi=None):
+        """(x_next, partial_next) of mhc_site_chained: how run_sites links consecutive connections."""
+        require_lanes("x", x, n=self.n)
+        return mhc_site_chained(x, self.phi, self.bias, self.alpha, layer, partial=partial, next_phi=next_phi,
+                                backend=self.backend)
 
 
 def recompute_policy(ctx, op, *args, **kwargs):
@@ -497,9 +610,7 @@ class MHCResidualStream(nn.Module):
         self.recompute_block = recompute_block
 
     def _run(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        for connection, layer in zip(self.connections[start:stop], self.layers[start:stop]):
-            x = connection(x, layer)
-        return x
+        return run_sites(x, self.connections[start:stop], self.layers[start:stop])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = expand_lanes(h, self.n)
