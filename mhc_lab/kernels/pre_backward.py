@@ -70,6 +70,12 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     backward = coefficient_backward_macro(n, C, iterations=iterations)
     NI = sinkhorn_steps(iterations) * n
 
+    def token_scratch():
+        """One thread's local arrays for the coefficient backward of its token: mix, dpre, dpost, dres, comb,
+        dcomb, Sinkhorn's reciprocals, dlogit, dmix, extra."""
+        sizes = (M + 1, n, n, n * n, n * n, n * n, NI, M, M, EXTRA)
+        return tuple(T.alloc_local((size,), "float32") for size in sizes)
+
     @T.macro
     def per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv, dlogit_l,
                   dmix_l, extra_l, dpre, dlogit, dmix, extra):
@@ -103,16 +109,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             extra: T.Tensor((NT, EXTRA), "float32"),
         ):
             with T.Kernel(NT) as tok:
-                mix = T.alloc_local((M + 1,), "float32")
-                dpre_l = T.alloc_local((n,), "float32")
-                dpost_l = T.alloc_local((n,), "float32")
-                dres_l = T.alloc_local((n * n,), "float32")
-                comb = T.alloc_local((n * n,), "float32")
-                dcomb = T.alloc_local((n * n,), "float32")
-                inv = T.alloc_local((NI,), "float32")
-                dlogit_l = T.alloc_local((M,), "float32")
-                dmix_l = T.alloc_local((M,), "float32")
-                extra_l = T.alloc_local((EXTRA,), "float32")
+                mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
                 for j in T.serial(n):
                     dpre_l[j] = T.float32(0)
                 for c in T.serial(C):
@@ -149,16 +146,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             acc = [T.alloc_fragment((BT, BC), "float32") for _ in lanes]
             sums = [T.alloc_fragment((BT,), "float32") for _ in lanes]
             sums_s = T.alloc_shared((BT, n), "float32")
-            mix = T.alloc_local((M + 1,), "float32")
-            dpre_l = T.alloc_local((n,), "float32")
-            dpost_l = T.alloc_local((n,), "float32")
-            dres_l = T.alloc_local((n * n,), "float32")
-            comb = T.alloc_local((n * n,), "float32")
-            dcomb = T.alloc_local((n * n,), "float32")
-            inv = T.alloc_local((NI,), "float32")
-            dlogit_l = T.alloc_local((M,), "float32")
-            dmix_l = T.alloc_local((M,), "float32")
-            extra_l = T.alloc_local((EXTRA,), "float32")
+            mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
             t0 = b * BT
             # phase 1, the whole CTA: dH_pre[t, j] = <dy, x_j>, streamed in [BT x BC] tiles
             for q in lanes:
