@@ -125,9 +125,10 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def bench_shape(tokens, C, bench, *, skip=(), plans=PLANS, variants=(), log=print) -> dict:
+def bench_shape(tokens, C, bench, *, skip=(), plans=PLANS, variants=(), stream_variants=(), log=print) -> dict:
     """Times and errors of every implementation on one shape; variants: ours with other tunings,
-    [{"name": ..., "plan": ..., "tuning": {...}}], timed as whole sites too."""
+    [{"name": ..., "plan": ..., "tuning": {...}}], timed as whole sites too; stream_variants: tunings of the
+    fused post + next projection, [{...}], each timed as a site inside a stack."""
     from mhc_lab.ops import mhc_post_fused, mhc_pre_fused
 
     x, phi, bias, alpha = _inputs(tokens, C)
@@ -186,23 +187,37 @@ def bench_shape(tokens, C, bench, *, skip=(), plans=PLANS, variants=(), log=prin
         except Exception as e:  # noqa: BLE001
             out["errors"]["ours_stream"] = repr(e)[:500]
             log(f"  {'ours_stream':22s} FAILED {repr(e)[:200]}")
+        out["stream_variants"] = []
+        for tuning in stream_variants:
+            row = {"tuning": tuning}
+            try:
+                row["time_ms"], row["rel_err"] = _stream_site(x, phi, bias, alpha, bench, ref_out, tuning)
+                log(f"  stream {tuning}: site {row['time_ms']['ours_stream']:.3f} ms, post + next projection "
+                    f"{row['time_ms']['stream.post_project']:.3f} ms, partial rel err "
+                    f"{row['rel_err']['stream.partial']:.1e}")
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:500]
+                log(f"  stream {tuning}: FAILED {repr(e)[:200]}")
+            out["stream_variants"].append(row)
     return out
 
 
-def _stream_site(x, phi, bias, alpha, bench, ref_out) -> tuple[dict, dict]:
+def _stream_site(x, phi, bias, alpha, bench, ref_out, tuning=None) -> tuple[dict, dict]:
     """A site inside a stack of sites, in its steady state: the previous site's post already projected these
     lanes (kernels/post_project.py), so the pre runs only its apply pass, and this site's post projects the
     lanes it writes for the next site (here with the same phi: the cost does not depend on its values).
-    Moves 14 C elements per token at n = 4, the least a site must."""
+    Moves 14 C elements per token at n = 4, the least a site must. tuning: post_project_program's keywords
+    (its "splits" also sets the apply pass's)."""
     from mhc_lab.kernels._coefficients import mixes_width
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
     from mhc_lab.kernels.pre_split import phi_rows, split_kernels
 
     tokens, n, C = x.shape
-    S = SPLIT_DEFAULTS["splits"]
-    phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda", **SPLIT_DEFAULTS)
-    fused = post_project_kernel(n, C, "bfloat16", "cuda", splits=S)
+    tuning = {"splits": SPLIT_DEFAULTS["splits"], **(tuning or {})}
+    S = tuning["splits"]
+    phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda", **{**SPLIT_DEFAULTS, "splits": S})
+    fused = post_project_kernel(n, C, "bfloat16", "cuda", **tuning)
     phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device="cuda")
     phi_split(phi, phi_hl)
     partial_in, partial_out = (torch.empty((S, tokens, mixes_width(n) + 1), device="cuda") for _ in range(2))
@@ -306,6 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", default="", help="JSON {plan: [tuning dicts]} to time the pre kernel alone")
     parser.add_argument("--sweep-only", action="store_true", help="only the --sweep part (no site timings)")
     parser.add_argument("--variants", default="", help='JSON [{"name", "plan", "tuning"}]: more tunings of ours')
+    parser.add_argument("--stream-variants", default="", help="JSON [tuning dicts] of the fused post + next "
+                        "projection (kernels/post_project.py), each timed as a site inside a stack")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench forward needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/forward_h200.json")
@@ -328,7 +345,9 @@ def main(argv=None) -> int:
                                       "rows": sweep_pre(tokens, C, bench, plan, variants)})
         if not args.sweep_only:
             variants = json.loads(args.variants) if args.variants else []
-            results["shapes"].append(bench_shape(tokens, C, bench, skip=skip, plans=plans, variants=variants))
+            stream_variants = json.loads(args.stream_variants) if args.stream_variants else []
+            results["shapes"].append(bench_shape(tokens, C, bench, skip=skip, plans=plans, variants=variants,
+                                                 stream_variants=stream_variants))
             if not args.no_save:  # keep what is measured so far, should a later shape not finish
                 save_recording(args.name, {**results, "partial": True}, directory=args.out_dir)
         torch.cuda.empty_cache()
