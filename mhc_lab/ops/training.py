@@ -531,7 +531,8 @@ def run_sites(x, connections, layers):
     partial = None
     for i, (connection, layer) in enumerate(zip(connections, layers)):
         following = connections[i + 1] if i + 1 < len(connections) else None
-        chain = following is not None and following.backend == connection.backend and following.n == connection.n
+        chain = following is not None and (following.backend, following.n, following.width) == (
+            connection.backend, connection.n, connection.width)
         x, partial = connection.chained(x, layer, partial, following.phi if chain else None)
     return x
 
