@@ -131,3 +131,27 @@ def test_figures_build():
     assert len(bytes_model.traffic_figure(2560).data) == len(bytes_model.METHODS)
     for method in bytes_model.METHODS:
         bytes_model.chef_figure(method, 4, C=2560)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_our_kernels_lane_wide_elements_per_token(n):
+    # counted by hand from the kernels: the split pre reads x twice (project, apply), post reads x and f and
+    # writes the lanes; backward: post reads g, x, f and writes dx, df; kernel 1 reads x, dy; kernel 2 reads
+    # x, dy (and the post's dx when linked) and writes dx; the separate ops leave autograd a sum of two dx
+    forward = {"ours": 4 * n + 2, "ours_linked": 4 * n + 2, "ours_chained": 3 * n + 2}
+    backward = {"ours": 9 * n + 4, "ours_linked": 7 * n + 4, "ours_chained": 7 * n + 4}
+    for method in bytes_model.IMPLEMENTATIONS:
+        assert bytes_model.total(method, n, "forward").moved.per_C == forward[method], method
+        assert bytes_model.total(method, n, "backward").moved.per_C == backward[method], method
+    # chained sites move the fewest forward bytes there are; no design of ours moves fewer than the least
+    least = bytes_model.total("mhc_minimal", n, "forward").moved.per_C
+    assert forward["ours_chained"] == least
+    assert min(forward[m] + backward[m] for m in forward) >= least + bytes_model.total(
+        "mhc_minimal", n, "backward").moved.per_C
+
+
+def test_partial_splits_are_the_kernels():
+    pytest.importorskip("tilelang")
+    from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
+
+    assert bytes_model.PARTIAL_SPLITS == SPLIT_DEFAULTS["splits"]

@@ -38,21 +38,16 @@ N = 4
 
 
 def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> dict:
-    """Bytes per site: the least any forward + backward moves, and what ours moves (per docs/kernel-notes.md).
-
-    least: forward 14C (pre reads nC, writes C; post reads (n+1)C, writes nC) + backward: post reads g, x, f
-    and writes dx, df ((2n+1) + (n+1) C), pre reads dy and x and writes dx (n+1 + n C, with the post's dx
-    added in the same pass): 41 C elements at n = 4."""
-    least = sum(bytes_model.total("mhc_minimal", n, d).moved.per_C for d in bytes_model.DIRECTIONS)
-    # ours: split pre reads x twice; post; post backward; pre backward reads x and dy twice (kernel 1 and 2),
-    # writes dx; autograd adds the two dx (reads 2nC, writes nC)
-    ours = (2 * n + 1) + (2 * n + 1) + (3 * n + 2) + (n + 1) + (2 * n + 1) + 3 * n
-    # linked (mhc_site): the same forward and post backward; kernel 2 also reads the post's dx and adds it to
-    # its own, so there is no separate sum of two dx
-    linked = (2 * n + 1) + (2 * n + 1) + (3 * n + 2) + (n + 1) + (3 * n + 1)
-    return {"least": tokens * least * C * itemsize, "ours": tokens * ours * C * itemsize,
-            "ours_linked": tokens * linked * C * itemsize, "least_elements_per_token": f"{least} C",
-            "ours_elements_per_token": f"{ours} C", "ours_linked_elements_per_token": f"{linked} C"}
+    """Bytes per site, forward + backward, of the lane-wide tensors (mhc_lab.course.bytes_model): the least
+    any design moves (mhc_minimal: 41 C elements per token at n = 4) and what ours moves as separate ops
+    (58 C), as the linked site (50 C) and as chained sites (46 C)."""
+    out = {}
+    for key, method in (("least", "mhc_minimal"), ("ours", "ours"), ("ours_linked", "ours_linked"),
+                        ("ours_chained", "ours_chained")):
+        per_C = sum(bytes_model.total(method, n, d).moved.per_C for d in bytes_model.DIRECTIONS)
+        out[key] = tokens * per_C * C * itemsize
+        out[f"{key}_elements_per_token"] = f"{per_C} C"
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

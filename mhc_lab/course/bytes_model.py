@@ -39,6 +39,8 @@ from typing import NamedTuple
 import torch
 
 METHODS = ("residual", "hc", "mhc", "mhc_fused", "mhc_minimal")
+# this course's kernels (mhc_lab.kernels, run by mhc_lab.ops.training), as they move bytes today
+IMPLEMENTATIONS = ("ours", "ours_linked", "ours_chained")
 DIRECTIONS = ("forward", "backward")
 LABELS = {
     "residual": "plain residual",
@@ -46,7 +48,12 @@ LABELS = {
     "mhc": "mHC, unfused (Table 2 rows)",
     "mhc_fused": "mHC, the paper's fused kernels",
     "mhc_minimal": "mHC, fewest bytes (2 kernels)",
+    "ours": "ours: mhc_pre then mhc_post",
+    "ours_linked": "ours: mhc_site (linked)",
+    "ours_chained": "ours: run_sites (linked and chained)",
 }
+# token splits of the pre's projection partial sums (mhc_lab.kernels.pre_cuda.SPLIT_DEFAULTS["splits"])
+PARTIAL_SPLITS = 4
 SINKHORN_ITERATIONS = 20
 
 
@@ -204,16 +211,64 @@ def _backward_rows(method: str, n: int, iterations: int) -> list[Row]:
     raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
 
 
+# ---- this course's kernels --------------------------------------------------------------------------------
+
+
+def _implementation_rows(method: str, n: int, direction: str, iterations: int) -> list[Row]:
+    """What our kernels move per token (counted from their code; the coefficient parts roughly)."""
+    k = n * n + 2 * n
+    partials = PARTIAL_SPLITS * (k + 1)  # float32 partial sums of the projection and the squared norm
+    coefficients = _coefficient_flops("mhc", n, iterations)
+    post_flops = Elements(n + 2 * n * n + n)
+    apply = Row("pre apply: coefficients, H_pre x (pre_split.py)", Elements(n, partials),
+                Elements(1, k + n), Elements(2 * n, coefficients.fixed),
+                "kernels/pre_split.py")
+    if direction == "forward":
+        post = Row("post: H_res x + H_post^T F(.) (post.py)", Elements(n + 1, n + n * n), Elements(n), post_flops,
+                   "kernels/post.py")
+        if method == "ours_chained":
+            return [
+                Row("pre apply, with the previous post's partials", apply.read, apply.write, apply.flops,
+                    apply.source),
+                Row("post + next projection (post_project.py)", Elements(n + 1, n + n * n),
+                    Elements(n, partials), post_flops + Elements(coefficients.per_C), "kernels/post_project.py"),
+            ]
+        return [
+            Row("pre projection: x phi^T, sum x^2 (pre_split.py)", Elements(n), Elements(0, partials),
+                Elements(coefficients.per_C), "kernels/pre_split.py"),
+            apply,
+            post,
+        ]
+    linked = method != "ours"
+    dsplit = 3 * 2 * (-(-k // 32) * 32) // 2  # kernel 2's bf16 operands, counted in float32-sized elements
+    rows_ = [
+        Row("post backward (post_backward.py)", Elements(2 * n + 1, n + n * n),
+            Elements(n + 1, n + n * n), _twice(post_flops), "kernels/post_backward.py"),
+        Row("pre backward 1: coefficients (pre_backward.py)",
+            Elements(n + 1, partials + 2 * n + n * n), Elements(0, n + 2 * k + 4 + dsplit + n + 1),
+            _twice(Elements(2 * n, coefficients.fixed)), "kernels/pre_backward.py"),
+        Row("pre backward 2: dx, dphi (pre_backward.py)",
+            Elements(2 * n + 1 if linked else n + 1, dsplit + n + 1), Elements(n),
+            _twice(Elements(coefficients.per_C)), "kernels/pre_backward.py"),
+    ]
+    if not linked:
+        rows_.append(Row("autograd's sum of two dx", Elements(2 * n), Elements(n), Elements(n),
+                         "torch autograd: x feeds the pre and the post"))
+    return rows_
+
+
 # ---- public API ------------------------------------------------------------------------------------------
 
 
 def rows(method: str, n: int, direction: str = "forward", iterations: int = SINKHORN_ITERATIONS) -> list[Row]:
     """The operations of one site of ``method`` with n lanes, one row per kernel, per token."""
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if method not in METHODS + IMPLEMENTATIONS:
+        raise ValueError(f"method: expected one of {METHODS + IMPLEMENTATIONS}, got {method!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
     n = 1 if method == "residual" else _require_n(n)
+    if method in IMPLEMENTATIONS:
+        return _implementation_rows(method, n, direction, iterations)
     build = _forward_rows if direction == "forward" else _backward_rows
     return build(method, n, iterations)
 
