@@ -126,6 +126,17 @@ def bytes_table(n: int, C: int, itemsize: int = 2) -> str:
     return "\n".join(lines)
 
 
+def designs_table(n: int) -> str:
+    """Lane-wide elements per token of one site, forward and backward, for this course's three ways of running
+    the kernels and for the least design (mhc_lab.course.bytes_model)."""
+    lines = [f"{'design':<42}{'forward':>9}{'backward':>10}{'total':>8}"]
+    for method in bytes_model.IMPLEMENTATIONS + ("mhc_minimal",):
+        forward, backward = (bytes_model.total(method, n, d).moved.per_C for d in bytes_model.DIRECTIONS)
+        lines.append(f"{bytes_model.LABELS[method]:<42}{f'{forward}C':>9}{f'{backward}C':>10}"
+                     f"{f'{forward + backward}C':>8}")
+    return "\n".join(lines)
+
+
 def site_total_elements(n: int, recompute: bool = False) -> int:
     """Least lane-wide elements per token of one site's forward + backward (units of C); with recompute, the
     forward's mHC part runs a second time in the backward."""
