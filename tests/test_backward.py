@@ -179,6 +179,21 @@ def test_pre_backward_builds_for_sm90(n, C, linked, splits):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("n,C", [(4, 4096), (4, 136), (8, 24), (1, 7)])
+def test_split_coefficient_kernels_build_for_sm90(n, C):
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import dpre_program, pre_backward_coefficients_program
+
+    reduce = compile_program(dpre_program(n, C, "bfloat16", "sm_90"), "sm_90").get_kernel_source()
+    assert "warp_reduce_sum" in reduce  # one warp per token, shuffle-reduced
+    if C % 8 == 0:
+        assert "uint4" in reduce  # 16-byte loads of x and dy
+    tokens = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=4, phases="split"),
+                             "sm_90").get_kernel_source()
+    assert "float inv[" in tokens  # Sinkhorn's reciprocals stay on chip
+
+
+@needs_nvcc
 def test_lane_kernel_prefetch_of_the_posts_dx_builds_for_sm90():
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
@@ -453,6 +468,34 @@ def test_ops_refuse_bad_input_clearly():
 # ------------------------------------------------------------------------------------------------- CUDA
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA backward kernels run only there")
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
+def test_cuda_split_coefficient_kernels_match_the_fused_one(n, C, tokens):
+    """Kernel 1 as two kernels (dpre_program, then one thread per token) against the fused kernel 1: the same
+    math, dH_pre summed in another order."""
+    from mhc_lab.kernels.pre_backward import coef_width, gemm_depth, pre_backward_kernels
+
+    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
+    x = x.to(torch.bfloat16)
+    dy, dpost, dres, _ = _upstream((tokens,), n, C, seed=5, device="cuda")
+    m = n * n + 2 * n
+    flat = x.double().reshape(tokens, n * C)
+    partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1).float()[None].repeat(4, 1, 1) / 4
+    pre = mhc_coefficients(x.double(), phi, bias, alpha).pre.float().contiguous()
+    outs = {}
+    for phases in ("fused", "split"):
+        coefficients, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, phases=phases)
+        f32 = dict(dtype=torch.float32, device="cuda")
+        got = [torch.full((tokens, k), float("nan"), **f32) for k in (n, m, m, 4)]
+        dsplit = torch.full((tokens, 3, 2 * gemm_depth(n)), float("nan"), dtype=torch.bfloat16, device="cuda")
+        coef = torch.full((tokens, coef_width(n)), float("nan"), **f32)
+        coefficients(x, dy.to(torch.bfloat16), partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
+                     pre, *got, dsplit, coef)
+        outs[phases] = got + [dsplit, coef]
+    for name, a, b in zip(("dpre", "dlogit", "dmix", "extra", "dsplit", "coef"), outs["split"], outs["fused"]):
+        assert _relmax(a, b) < (1e-2 if name == "dsplit" else 1e-4), name
 
 
 @needs_cuda

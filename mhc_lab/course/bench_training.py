@@ -141,7 +141,8 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
 
 def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_variants=()) -> dict:
     """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
-    ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"}), kernel 2
+    ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"} or
+    {"phases": "split"}), kernel 2
     for each tuning variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products",
     "add_dx", "prefetch_dx_post"}); every variant's outputs are compared with the first's of the same add_dx."""
     from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
@@ -170,10 +171,13 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
 
             from mhc_lab.kernels.pre_split import NO_WARP_SPECIALIZATION
 
-            tiling = {k: v for k, v in cfg.items() if k != "warp_specialized"}
-            kernel = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "cuda",
-                                                                       splits=partial.shape[0], **tiling), "cuda",
-                                     pass_configs=None if cfg.get("warp_specialized", True) else NO_WARP_SPECIALIZATION)
+            if cfg.get("phases") == "split":  # two kernels: the streaming dH_pre, then one thread per token
+                kernel, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0], phases="split")
+            else:
+                tiling = {k: v for k, v in cfg.items() if k != "warp_specialized"}
+                kernel = compile_program(
+                    pre_backward_coefficients_program(n, C, "bfloat16", "cuda", splits=partial.shape[0], **tiling),
+                    "cuda", pass_configs=None if cfg.get("warp_specialized", True) else NO_WARP_SPECIALIZATION)
             kernel(*args1)
             row["rel_dmix"] = _rel(dmix, first[0])
             row["equal_operands"] = bool(torch.equal(dsplit, first[1]) and torch.equal(coef, first[2]))

@@ -54,14 +54,22 @@ def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
 
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                       splits: int = 1, iterations: int = 20, threads: int = 256,
-                                      block_tokens: int = 64, block_c: int | None = None, stages: int = 2):
+                                      block_tokens: int = 64, block_c: int | None = None, stages: int = 2,
+                                      phases: str = "fused"):
     """Kernel 1. Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw
     projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32,
     (CUDA only: pre [T, n] f32); outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all
     f32), and on CUDA kernel 2's operands: dsplit [T, 3, 2 gemm_depth(n)] bf16 (dmix split into bf16 hi and
     lo, laid out for the three products) and coef [T, coef_width(n)] f32 (H_pre, then 2 ds).
 
-    The same kernel serves both sites (mhc_lab.ops.training's separate and linked ones)."""
+    The same kernel serves both sites (mhc_lab.ops.training's separate and linked ones).
+
+    phases (CUDA): "fused", one kernel (a CTA streams its tokens' x and dy for dH_pre, then one thread per
+    token runs the rest); "split", the program of the per-token part alone (arguments from partial on, dpre
+    holding dH_pre as an input), run after dpre_program's streaming reduction, so that the stream runs at full
+    occupancy and the per-token math of all tokens at once."""
+    if phases not in ("fused", "split"):
+        raise ValueError(f"pre backward (coefficients): phases: expected 'fused' or 'split', got {phases!r}")
     t = _check("pre backward (coefficients)", n, C, dtype, target)
     M = mixes_width(n)
     NT = T.dynamic("T")
@@ -89,8 +97,9 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             for j in T.unroll(n):
                 dres_l[i * n + j] = dres[tok, i, j]
         backward(mix, alpha, bias, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l)
-        for i in T.unroll(n):
-            dpre[tok, i] = dpre_l[i]
+        if dpre is not None:
+            for i in T.unroll(n):
+                dpre[tok, i] = dpre_l[i]
         for q in T.unroll(M):
             dlogit[tok, q] = dlogit_l[q]
             dmix[tok, q] = dmix_l[q]
@@ -129,6 +138,27 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     BC = block_c or max(32, min(128, 128 * threads // (n * BT)))
     BC = min(BC, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
     NC = (C + BC - 1) // BC
+
+    @T.macro
+    def lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef):
+        """Kernel 2's operands of one token: dmix split into bf16 hi and lo in the three layouts its products
+        take, and coef = (H_pre, 2 ds, padding)."""
+        for k in T.serial(K2):
+            q = k % KH
+            d = T.if_then_else(q < M, dmix_l[T.min(q, M - 1)], T.float32(0))
+            dh = T.cast(d, "bfloat16")
+            dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
+            zero = T.cast(0, "bfloat16")
+            dsplit[tok, 0, k] = dh  # [dmix_hi | dmix_hi]: hi.hi + hi.lo with phi [hi; lo]
+            dsplit[tok, 1, k] = T.if_then_else(k < KH, dl, zero)  # [dmix_lo | 0]: lo.hi
+            dsplit[tok, 2, k] = T.if_then_else(k < KH, dh, dl)  # [dmix_hi | dmix_lo]: for dphi
+        for j in T.unroll(CP):
+            if j < n:
+                coef[tok, j] = pre[tok, T.min(j, n - 1)]
+            elif j == n:
+                coef[tok, j] = T.float32(2) * extra_l[3]
+            else:
+                coef[tok, j] = T.float32(0)
 
     @T.prim_func
     def coefficients_backward_cuda(
@@ -174,24 +204,82 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                         dpre_l[j] = sums_s[tx, j]
                     per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb,
                               inv, dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
-                    for k in T.serial(K2):
-                        q = k % KH
-                        d = T.if_then_else(q < M, dmix_l[T.min(q, M - 1)], T.float32(0))
-                        dh = T.cast(d, "bfloat16")
-                        dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
-                        zero = T.cast(0, "bfloat16")
-                        dsplit[tok, 0, k] = dh  # [dmix_hi | dmix_hi]: hi.hi + hi.lo with phi [hi; lo]
-                        dsplit[tok, 1, k] = T.if_then_else(k < KH, dl, zero)  # [dmix_lo | 0]: lo.hi
-                        dsplit[tok, 2, k] = T.if_then_else(k < KH, dh, dl)  # [dmix_hi | dmix_lo]: for dphi
-                    for j in T.unroll(CP):
-                        if j < n:
-                            coef[tok, j] = pre[tok, T.min(j, n - 1)]
-                        elif j == n:
-                            coef[tok, j] = T.float32(2) * extra_l[3]
-                        else:
-                            coef[tok, j] = T.float32(0)
+                    lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef)
 
-    return coefficients_backward_cuda
+    if phases == "fused":
+        return coefficients_backward_cuda
+
+    @T.prim_func
+    def coefficients_backward_tokens(
+        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+        dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
+        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
+        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+        dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
+    ):
+        # phases="split", the second kernel: one thread per token, dH_pre already in dpre (dpre_program)
+        with T.Kernel(T.ceildiv(NT, TOKEN_THREADS), threads=TOKEN_THREADS) as b:
+            mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
+            tok = b * TOKEN_THREADS + T.get_thread_binding()
+            if tok < NT:
+                for j in T.unroll(n):
+                    dpre_l[j] = dpre[tok, j]
+                per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb,
+                          inv, dlogit_l, dmix_l, extra_l, None, dlogit, dmix, extra)
+                lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef)
+
+    return coefficients_backward_tokens
+
+
+TOKEN_THREADS = 128  # threads (= tokens) per CTA of the split kernel 1's per-token kernel
+
+
+def dpre_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
+    """The first kernel of the split kernel 1 (CUDA): dpre[t, j] = <dy[t], x[t, j]> (dH_pre), one warp per token
+    walking its width in 16-byte vectors, shuffle-reduced (deterministic). Arguments x [T, n, C], dy [T, C],
+    then the output dpre [T, n] f32. Reads x and dy once: 5C elements per token at n = 4."""
+    t = _check("pre backward (dH_pre)", n, C, dtype, target)
+    if t == "c":
+        raise ValueError("pre backward (dH_pre): CUDA only; the C target's kernel 1 reduces dH_pre itself")
+    NT = T.dynamic("T")
+    V = 8 if C % 8 == 0 else 1
+    WARPS = threads // 32
+    STEP = 32 * V
+    NS = (C + STEP - 1) // STEP
+
+    @T.prim_func
+    def dpre_reduce(x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
+                    dpre: T.Tensor((NT, n), "float32")):
+        with T.Kernel(T.ceildiv(NT, WARPS), threads=threads) as b:
+            acc = T.alloc_local((n,), "float32")
+            xv = T.alloc_local((n, V), dtype)
+            dv = T.alloc_local((V,), dtype)
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            tok = b * WARPS + tx // 32
+            if tok < NT:
+                for j in T.unroll(n):
+                    acc[j] = T.float32(0)
+                for s in T.serial(NS):
+                    c0 = s * STEP + lane * V
+                    if c0 < C:
+                        for j in T.unroll(n):
+                            for v in T.vectorized(V):
+                                xv[j, v] = x[tok, j, c0 + v]
+                        for v in T.vectorized(V):
+                            dv[v] = dy[tok, c0 + v]
+                        for v in T.unroll(V):
+                            d = T.cast(dv[v], "float32")
+                            for j in T.unroll(n):
+                                acc[j] += d * T.cast(xv[j, v], "float32")
+                for j in T.unroll(n):
+                    acc[j] = T.warp_reduce_sum(acc[j])
+                if lane == 0:
+                    for j in T.unroll(n):
+                        dpre[tok, j] = acc[j]
+
+    return dpre_reduce
 
 
 def coef_width(n: int) -> int:
@@ -416,11 +504,20 @@ def dphi_from_partial(partial, n: int):
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                         dx_products: int = 3, prefetch_dx_post: bool = False):
+                         dx_products: int = 3, prefetch_dx_post: bool = False, phases: str = "fused"):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
-    ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial)."""
+    ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
+    kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
     t = canonical_target(target)
-    coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
+    if t != "c" and phases == "split":
+        reduce = compile_program(dpre_program(n, C, dtype, t), t)
+        tokens = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits, phases="split"), t)
+
+        def coefficients(x, dy, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef):
+            reduce(x, dy, dpre)
+            tokens(partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
+    else:
+        coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
                                    "prefetch_dx_post": prefetch_dx_post}

@@ -41,6 +41,9 @@ from mhc_lab.reference.validate import (
 
 BACKENDS = ("auto", "reference", "kernels")
 KERNEL_MAX_LANES = 8
+# kernel 1 of the pre backward on CUDA: "fused" (timed on the H200) or "split" (a streaming dH_pre kernel, then
+# one thread per token; built and checked, to be timed against it)
+COEFFICIENT_PHASES = "fused"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,7 +245,7 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
 
         splits = _lane_splits(n, C, x.device)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                                   lane_splits=splits, add_dx=linked)
+                                                   lane_splits=splits, add_dx=linked, phases=COEFFICIENT_PHASES)
         more = [dx_post.contiguous()] if linked else []
         dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
         dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
