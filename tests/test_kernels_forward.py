@@ -248,3 +248,31 @@ def test_cuda_post_project_matches_float64(n, C, tokens):
                                        torch.eye(n, device="cuda").expand(tokens, n, n), phi, torch.float64)
     scale = of_stored.abs().amax(-1, keepdim=True)
     _assert_close("partial", got / scale, of_stored / scale, "cuda", "coefficients")
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
+@pytest.mark.parametrize("n,C", [(4, 4096), (2, 200), (8, 40), (1, 72)])
+def test_split_apply_kernels_build_for_sm90(n, C):
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_split import coefficients_program, mix_program
+
+    coefficients = compile_program(coefficients_program(n, C, "sm_90"), "sm_90").get_kernel_source()
+    assert "comb[" in coefficients  # the Sinkhorn matrix in registers, one token per thread
+    mix = compile_program(mix_program(n, C, "bfloat16", "sm_90"), "sm_90").get_kernel_source()
+    if C % 8 == 0:
+        assert "uint4" in mix  # 16-byte loads of the lanes
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 257), (4, 40, 7), (4, 200, 33), (2, 72, 1), (8, 40, 65), (1, 72, 7)])
+def test_cuda_split_apply_matches_float64(n, C, tokens):
+    """The apply pass as two kernels (per-token coefficients, then the lane mix) on NaN-poisoned outputs."""
+    from mhc_lab.ops import mhc_pre_fused
+
+    x, phi, bias, alpha, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=C)
+    y, pre, post, res, _ = _reference(x, phi, bias, alpha, f)
+    got = mhc_pre_fused(x, phi, bias, alpha, plan="split", tuning={"apply_phases": "split"},
+                        out=_poisoned_pre(tokens, n, C, torch.bfloat16, "cuda"))
+    _assert_close("layer input", got.layer_input, y, "cuda", "lanes")
+    for name, a, b in (("pre", got.pre, pre), ("post", got.post, post), ("res", got.res, res)):
+        _assert_close(name, a, b, "cuda", "coefficients")

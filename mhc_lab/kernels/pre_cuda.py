@@ -13,7 +13,7 @@ from mhc_lab.kernels.pre_split import phi_rows, split_kernels
 
 # Tuning of each plan; the benchmark overrides these to compare variants.
 SPLIT_DEFAULTS = {"block_m": 256, "block_k": 64, "splits": 4, "stages": 3, "block_tokens": 16, "block_c": 256,
-                  "apply_stages": 2, "project_ws": True}
+                  "apply_stages": 2, "project_ws": True, "apply_phases": "fused"}
 CLUSTER_DEFAULTS = {"cluster": 16, "block_tokens": 16, "stages": 2, "iters": 16, "threads": 256}
 LOOKBACK_DEFAULTS = {"block_tokens": 64, "block_k": 128, "stages": 3, "apply_c": 64, "apply_stages": 2}
 AUTO_PLAN = "split"  # what 'auto' picks: fastest on the H200 at all three issue shapes (forward_h200.json)

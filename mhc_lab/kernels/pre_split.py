@@ -187,6 +187,75 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
     return apply
 
 
+TOKEN_THREADS = 128  # threads (= tokens) per CTA of the per-token coefficient kernel
+
+
+def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 4, iterations: int = 20):
+    """The apply pass's first half as a kernel of its own (apply_phases='split'): one thread per token sums the
+    partials and writes H_pre, H_post and H_res; every token's math runs at once instead of on 16 threads of a
+    CTA that then streams. Arguments partial [S, T, n^2+2n+1], bias, alpha, then pre, post, res (f32)."""
+    _check_gpu(n, C, "bfloat16", target)
+    M, S = mixes_width(n), splits
+    NT = T.dynamic("T")
+    coefficients = coefficient_macro(n, C, iterations=iterations)
+
+    @T.prim_func
+    def token_coefficients(
+        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"), pre_out: T.Tensor((NT, n), "float32"),
+        post_out: T.Tensor((NT, n), "float32"), res_out: T.Tensor((NT, n, n), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, TOKEN_THREADS), threads=TOKEN_THREADS) as b:
+            mix = T.alloc_local((M + 1,), "float32")
+            pre_l = T.alloc_local((n,), "float32")
+            post_l = T.alloc_local((n,), "float32")
+            comb = T.alloc_local((n * n,), "float32")
+            tok = b * TOKEN_THREADS + T.get_thread_binding()
+            if tok < NT:
+                for q in T.unroll(M + 1):
+                    mix[q] = partial[0, tok, q]
+                for s in T.serial(S - 1):
+                    for q in T.unroll(M + 1):
+                        mix[q] = mix[q] + partial[s + 1, tok, q]
+                coefficients(mix, alpha, bias, pre_l, post_l, comb)
+                for i in T.unroll(n):
+                    pre_out[tok, i] = pre_l[i]
+                    post_out[tok, i] = post_l[i]
+                    for j in T.unroll(n):
+                        res_out[tok, i, j] = comb[j * n + i]
+
+    return token_coefficients
+
+
+def mix_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
+    """The apply pass's second half as a kernel of its own (apply_phases='split'): y = sum_j H_pre[j] x_j,
+    streamed like the post kernel (a CTA owns [block_tokens x block_c] of every lane, 16-byte vector loads,
+    H_pre of its tokens in shared memory). Arguments x [T, n, C], pre [T, n] f32, then y [T, C]."""
+    from mhc_lab.kernels.post import default_tiles
+
+    _check_gpu(n, C, dtype, target)
+    BT, BC, _ = default_tiles(C, dtype)
+    NT = T.dynamic("T")
+    lanes = list(range(n))
+
+    @T.prim_func
+    def mix_lanes(x: T.Tensor((NT, n, C), dtype), pre: T.Tensor((NT, n), "float32"), y: T.Tensor((NT, C), dtype)):
+        with T.Kernel(T.ceildiv(C, BC), T.ceildiv(NT, BT), threads=threads) as (bc, bt):
+            ps = T.alloc_shared((BT, n), "float32")
+            xf = [T.alloc_fragment((BT, BC), dtype) for _ in lanes]
+            yf = T.alloc_fragment((BT, BC), dtype)
+            t0, c0 = bt * BT, bc * BC
+            for tt, j in T.Parallel(BT, n):
+                ps[tt, j] = T.if_then_else(t0 + tt < NT, pre[T.min(t0 + tt, NT - 1), j], T.float32(0))
+            for j in lanes:
+                T.copy(x[t0 : t0 + BT, j, c0 : c0 + BC], xf[j])
+            for tt, c in T.Parallel(BT, BC):
+                yf[tt, c] = T.cast(sum([ps[tt, j] * T.cast(xf[j][tt, c], "float32") for j in lanes]), dtype)
+            T.copy(yf, y[t0 : t0 + BT, c0 : c0 + BC])
+
+    return mix_lanes
+
+
 @functools.lru_cache(maxsize=None)
 def phi_split_kernel(n: int, C: int, target: str = "cuda"):
     """The compiled phi split kernel (cached per process)."""
@@ -196,13 +265,26 @@ def phi_split_kernel(n: int, C: int, target: str = "cuda"):
 @functools.lru_cache(maxsize=None)
 def split_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, block_m: int = 256,
                   block_k: int = 64, splits: int = 4, stages: int = 3, block_tokens: int = 16, block_c: int = 256,
-                  apply_stages: int = 2, project_ws: bool = True):
-    """(phi_split, project, apply) compiled kernels, cached per process."""
+                  apply_stages: int = 2, project_ws: bool = True, apply_phases: str = "fused"):
+    """(phi_split, project, apply) compiled kernels, cached per process. apply_phases="split": apply is the
+    per-token coefficient kernel then the lane-mixing kernel (one callable, apply's arguments)."""
+    if apply_phases not in ("fused", "split"):
+        raise ValueError(f"pre split plan: apply_phases: expected 'fused' or 'split', got {apply_phases!r}")
+    project = compile_program(project_program(n, C, dtype, target, block_m=block_m, block_k=block_k,
+                                              splits=splits, stages=stages), target,
+                              pass_configs=None if project_ws else NO_WARP_SPECIALIZATION)
+    if apply_phases == "split":
+        coefficients = compile_program(coefficients_program(n, C, target, splits=splits), target)
+        mix = compile_program(mix_program(n, C, dtype, target), target)
+
+        def apply(x, partial, bias, alpha, y, pre, post, res):
+            coefficients(partial, bias, alpha, pre, post, res)
+            mix(x, pre, y)
+
+        return phi_split_kernel(n, C, target), project, apply
     return (
         phi_split_kernel(n, C, target),
-        compile_program(project_program(n, C, dtype, target, block_m=block_m, block_k=block_k, splits=splits,
-                                        stages=stages), target,
-                        pass_configs=None if project_ws else NO_WARP_SPECIALIZATION),
+        project,
         # the apply pass runs without warp specialisation: a producer warpgroup would hold registers that are
         # better spent on more resident CTAs, whose coefficient phases then overlap other CTAs' streaming
         compile_program(apply_program(n, C, dtype, target, splits=splits, block_tokens=block_tokens,
