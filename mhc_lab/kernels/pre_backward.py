@@ -26,8 +26,10 @@
 # to 4 lanes for a range of token tiles; phi's columns are split into bf16 hi/lo once per CTA; every operand of
 # the token loop arrives by copies, so the loop is pipelined; each token tile runs two GEMMs per lane for dx
 # and one for the dphi partial, which stays in registers until the end.
-# H200, 16384 x 4096 (2026-11-29, mhc_lab/recorded/training_h200.json): kernel 1 0.45 ms, kernel 2 0.55 ms
-# (2.2 TB/s on its 9C bytes); docs/kernel-notes.md has the versions before these and what limits them.
+# H200, 16384 x 4096 (2026-11-30, mhc_lab/recorded/training_h200.json, sweeps): kernel 1 0.27 ms (64 x 128
+# tiles; 0.45 with the earlier 16 x 256), kernel 2 0.55 ms (2.2 TB/s on its 9C bytes); docs/kernel-notes.md has
+# the versions before these and what limits them. Built and not yet timed: kernel 1 as two kernels
+# (phases="split") and kernel 2's prefetch of the post's dx (prefetch_dx_post).
 """pre backward: coefficient gradients (kernel 1), lane and phi gradients (kernel 2); CUDA or C target."""
 
 

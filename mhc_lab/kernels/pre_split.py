@@ -20,6 +20,9 @@
 # projection pass takes 0.196 ms (2.7 TB/s, 64% of the copy bandwidth), the apply pass 0.198 ms (3.4 TB/s,
 # 79%), the phi split 5 us. The projection pass reads x in TMA boxes whose rows are 128 bytes long (the 128-byte
 # swizzle's limit); longer-row tilings (128x256, 64x256, 128x128 tokens x columns) timed the same.
+# The apply pass also exists as two kernels (apply_phases="split": coefficients with one thread per token, then
+# a post-shaped lane mix), built and not yet timed. In a stack of sites the projection pass is not needed at
+# all: the previous site's post projects the lanes it writes (kernels/post_project.py).
 """pre, split plan (CUDA): a phi split kernel, a projection pass and an apply pass."""
 
 
