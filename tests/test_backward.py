@@ -103,6 +103,26 @@ KERNEL_CASES = [(4, 37, 5), (4, 8, 1), (1, 9, 7), (2, 24, 13), (8, 5, 3)]
 
 
 @pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
+def test_split_coefficient_kernels_c_target_equal_the_fused_one(n, C, tokens):
+    """Kernel 1 as two programs (dH_pre reduced first, then the per-token backward) on the C target."""
+    from mhc_lab.kernels.pre_backward import pre_backward_kernels
+
+    x, phi, bias, alpha, _ = (t.float() for t in _site_inputs((tokens,), n, C, seed=tokens))
+    dy, dpost, dres, _ = (t.float() for t in _upstream((tokens,), n, C, seed=tokens + 4))
+    flat = x.reshape(tokens, n * C)
+    partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1)[None]
+    m = n * n + 2 * n
+    outs = {}
+    for phases in ("fused", "split"):
+        coefficients, _ = pre_backward_kernels(n, C, "float32", "c", phases=phases)
+        got = [torch.full((tokens, k), float("nan")) for k in (n, m, m, 4)]
+        coefficients(x, dy, partial, bias, alpha, dpost, dres, *got)
+        outs[phases] = got
+    for name, a, b in zip(("dpre", "dlogit", "dmix", "extra"), outs["split"], outs["fused"]):
+        assert _relmax(a, b) < 1e-6, name
+
+
+@pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
 def test_post_backward_kernel_c_target(n, C, tokens):
     from mhc_lab.kernels.post_backward import post_backward_kernel
 

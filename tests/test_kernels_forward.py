@@ -276,3 +276,22 @@ def test_cuda_split_apply_matches_float64(n, C, tokens):
     _assert_close("layer input", got.layer_input, y, "cuda", "lanes")
     for name, a, b in (("pre", got.pre, pre), ("post", got.post, post), ("res", got.res, res)):
         _assert_close(name, a, b, "cuda", "coefficients")
+
+
+@pytest.mark.parametrize("n,C,tokens", [(4, 37, 5), (1, 9, 3), (8, 5, 2), (2, 24, 7)])
+def test_cpu_split_apply_kernels_match_float64(n, C, tokens):
+    """The apply pass as two programs on the C target: coefficients from split partial sums, then the lane mix."""
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_split import coefficients_program, mix_program
+
+    x, phi, bias, alpha, f = _inputs(tokens, n, C, seed=C + tokens)
+    y_ref, pre_ref, post_ref, res_ref, _ = _reference(x, phi, bias, alpha, f)
+    flat = x.double().reshape(tokens, n * C)
+    projection = torch.cat([flat @ phi.double().t(), flat.pow(2).sum(-1, keepdim=True)], -1)
+    partial = torch.stack([projection * 0.25, projection * 0.75]).float()  # two splits that sum to it
+    got = _poisoned_pre(tokens, n, C, torch.float32, "cpu")
+    compile_program(coefficients_program(n, C, "c", splits=2), "c")(partial, bias, alpha, got.pre, got.post, got.res)
+    compile_program(mix_program(n, C, "float32", "c"), "c")(x, got.pre, got.layer_input)
+    _assert_close("layer input", got.layer_input, y_ref, "cpu", "lanes")
+    for name, a, b in (("pre", got.pre, pre_ref), ("post", got.post, post_ref), ("res", got.res, res_ref)):
+        _assert_close(name, a, b, "cpu", "coefficients")

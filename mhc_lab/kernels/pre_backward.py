@@ -66,10 +66,10 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
 
     The same kernel serves both sites (mhc_lab.ops.training's separate and linked ones).
 
-    phases (CUDA): "fused", one kernel (a CTA streams its tokens' x and dy for dH_pre, then one thread per
+    phases: "fused", one kernel (on CUDA a CTA streams its tokens' x and dy for dH_pre, then one thread per
     token runs the rest); "split", the program of the per-token part alone (arguments from partial on, dpre
-    holding dH_pre as an input), run after dpre_program's streaming reduction, so that the stream runs at full
-    occupancy and the per-token math of all tokens at once."""
+    holding dH_pre as an input), run after dpre_program's streaming reduction, so that on CUDA the stream runs
+    at full occupancy and the per-token math of all tokens at once (the C target has the same split)."""
     if phases not in ("fused", "split"):
         raise ValueError(f"pre backward (coefficients): phases: expected 'fused' or 'split', got {phases!r}")
     t = _check("pre backward (coefficients)", n, C, dtype, target)
@@ -130,7 +130,26 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                 per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
                           dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
 
-        return coefficients_backward_c
+        if phases == "fused":
+            return coefficients_backward_c
+
+        @T.prim_func
+        def coefficients_backward_tokens_c(
+            partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+            alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+            dres: T.Tensor((NT, n, n), "float32"), dpre: T.Tensor((NT, n), "float32"),
+            dlogit: T.Tensor((NT, M), "float32"), dmix: T.Tensor((NT, M), "float32"),
+            extra: T.Tensor((NT, EXTRA), "float32"),
+        ):
+            # phases="split" on the C target: the per-token part, dH_pre already in dpre (dpre_program)
+            with T.Kernel(NT) as tok:
+                mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
+                for j in T.serial(n):
+                    dpre_l[j] = dpre[tok, j]
+                per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
+                          dlogit_l, dmix_l, extra_l, None, dlogit, dmix, extra)
+
+        return coefficients_backward_tokens_c
 
     KH = gemm_depth(n)
     K2 = 2 * KH
@@ -238,13 +257,31 @@ TOKEN_THREADS = 128  # threads (= tokens) per CTA of the split kernel 1's per-to
 
 
 def dpre_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
-    """The first kernel of the split kernel 1 (CUDA): dpre[t, j] = <dy[t], x[t, j]> (dH_pre), one warp per token
-    walking its width in 16-byte vectors, shuffle-reduced (deterministic). Arguments x [T, n, C], dy [T, C],
-    then the output dpre [T, n] f32. Reads x and dy once: 5C elements per token at n = 4."""
+    """The first kernel of the split kernel 1: dpre[t, j] = <dy[t], x[t, j]> (dH_pre). CUDA: one warp per token
+    walking its width in 16-byte vectors, shuffle-reduced (deterministic); C target: plain loops. Arguments
+    x [T, n, C], dy [T, C], then the output dpre [T, n] f32. Reads x and dy once: 5C elements per token at
+    n = 4."""
     t = _check("pre backward (dH_pre)", n, C, dtype, target)
-    if t == "c":
-        raise ValueError("pre backward (dH_pre): CUDA only; the C target's kernel 1 reduces dH_pre itself")
     NT = T.dynamic("T")
+    lanes = list(range(n))
+    if t == "c":
+
+        @T.prim_func
+        def dpre_reduce_c(x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
+                          dpre: T.Tensor((NT, n), "float32")):
+            with T.Kernel(NT) as tok:
+                acc = T.alloc_local((n,), "float32")
+                for j in T.serial(n):
+                    acc[j] = T.float32(0)
+                for c in T.serial(C):
+                    d = T.cast(dy[tok, c], "float32")
+                    for j in lanes:
+                        acc[j] += d * T.cast(x[tok, j, c], "float32")
+                for j in T.serial(n):
+                    dpre[tok, j] = acc[j]
+
+        return dpre_reduce_c
+
     V = 8 if C % 8 == 0 else 1
     WARPS = threads // 32
     STEP = 32 * V
@@ -511,13 +548,14 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
     t = canonical_target(target)
-    if t != "c" and phases == "split":
+    if phases == "split":
         reduce = compile_program(dpre_program(n, C, dtype, t), t)
         tokens = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits, phases="split"), t)
 
-        def coefficients(x, dy, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef):
+        def coefficients(x, dy, partial, *rest):  # the arguments of the fused kernel 1 (per target)
+            dpre = rest[5] if t != "c" else rest[4]
             reduce(x, dy, dpre)
-            tokens(partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
+            tokens(partial, *rest)
     else:
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,

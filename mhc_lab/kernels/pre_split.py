@@ -32,7 +32,14 @@ import tilelang
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
-from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div, check_lanes_and_width
+from mhc_lab.kernels._target import (
+    canonical_target,
+    ceil_div,
+    check_lanes_and_width,
+    check_target_dtype,
+    compile_program,
+    round_up,
+)
 
 
 NO_WARP_SPECIALIZATION = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
@@ -194,13 +201,16 @@ TOKEN_THREADS = 128  # threads (= tokens) per CTA of the per-token coefficient k
 
 
 def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 4, iterations: int = 20):
-    """The apply pass's first half as a kernel of its own (apply_phases='split'): one thread per token sums the
-    partials and writes H_pre, H_post and H_res; every token's math runs at once instead of on 16 threads of a
-    CTA that then streams. Arguments partial [S, T, n^2+2n+1], bias, alpha, then pre, post, res (f32)."""
-    _check_gpu(n, C, "bfloat16", target)
+    """The apply pass's first half as a kernel of its own (apply_phases='split'): one thread per token (a loop
+    on the C target) sums the partials and writes H_pre, H_post and H_res; on CUDA every token's math runs at
+    once instead of on 16 threads of a CTA that then streams. Arguments partial [S, T, n^2+2n+1], bias, alpha,
+    then pre, post, res (f32)."""
+    check_lanes_and_width("pre coefficients", n, C, max_lanes=8)
+    t = canonical_target(target)
     M, S = mixes_width(n), splits
     NT = T.dynamic("T")
     coefficients = coefficient_macro(n, C, iterations=iterations)
+    threads = 1 if t == "c" else TOKEN_THREADS
 
     @T.prim_func
     def token_coefficients(
@@ -208,12 +218,12 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
         alpha: T.Tensor((3,), "float32"), pre_out: T.Tensor((NT, n), "float32"),
         post_out: T.Tensor((NT, n), "float32"), res_out: T.Tensor((NT, n, n), "float32"),
     ):
-        with T.Kernel(T.ceildiv(NT, TOKEN_THREADS), threads=TOKEN_THREADS) as b:
+        with T.Kernel(T.ceildiv(NT, threads), **({} if t == "c" else {"threads": threads})) as b:
             mix = T.alloc_local((M + 1,), "float32")
             pre_l = T.alloc_local((n,), "float32")
             post_l = T.alloc_local((n,), "float32")
             comb = T.alloc_local((n * n,), "float32")
-            tok = b * TOKEN_THREADS + T.get_thread_binding()
+            tok = b * threads + (0 if t == "c" else T.get_thread_binding())
             if tok < NT:
                 for q in T.unroll(M + 1):
                     mix[q] = partial[0, tok, q]
@@ -231,15 +241,28 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
 
 
 def mix_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
-    """The apply pass's second half as a kernel of its own (apply_phases='split'): y = sum_j H_pre[j] x_j,
+    """The apply pass's second half as a kernel of its own (apply_phases='split'): y = sum_j H_pre[j] x_j. CUDA:
     streamed like the post kernel (a CTA owns [block_tokens x block_c] of every lane, 16-byte vector loads,
-    H_pre of its tokens in shared memory). Arguments x [T, n, C], pre [T, n] f32, then y [T, C]."""
+    H_pre of its tokens in shared memory); C target: plain loops. Arguments x [T, n, C], pre [T, n] f32, then
+    y [T, C]."""
     from mhc_lab.kernels.post import default_tiles
 
-    _check_gpu(n, C, dtype, target)
-    BT, BC, _ = default_tiles(C, dtype)
+    check_lanes_and_width("pre lane mix", n, C, max_lanes=8)
+    t = check_target_dtype("pre lane mix", dtype, target, ("bfloat16",))
     NT = T.dynamic("T")
     lanes = list(range(n))
+    if t == "c":
+
+        @T.prim_func
+        def mix_lanes_c(x: T.Tensor((NT, n, C), dtype), pre: T.Tensor((NT, n), "float32"),
+                        y: T.Tensor((NT, C), dtype)):
+            with T.Kernel(NT) as tok:
+                for c in T.serial(C):
+                    y[tok, c] = T.cast(sum([pre[tok, j] * T.cast(x[tok, j, c], "float32") for j in lanes]), dtype)
+
+        return mix_lanes_c
+
+    BT, BC, _ = default_tiles(C, dtype)
 
     @T.prim_func
     def mix_lanes(x: T.Tensor((NT, n, C), dtype), pre: T.Tensor((NT, n), "float32"), y: T.Tensor((NT, C), dtype)):
