@@ -61,6 +61,22 @@ def _sinkhorn_macros(n: int, eps: float):
     return softmax_rows, column_step, row_step
 
 
+def partial_sum_macro(n: int, splits: int):
+    """A T.macro ``gather(partial, tok, mix)``: mix[q] = sum over the splits of partial[s, tok, q] (the raw
+    projections and the sum of squares, in a fixed order), from partial [splits, T, n^2+2n+1]."""
+    M = mixes_width(n)
+
+    @T.macro
+    def gather(partial, tok, mix):
+        for q in T.unroll(M + 1):
+            mix[q] = partial[0, tok, q]
+        for s in T.serial(splits - 1):
+            for q in T.unroll(M + 1):
+                mix[q] = mix[q] + partial[s + 1, tok, q]
+
+    return gather
+
+
 def coefficient_macro(n: int, width: int, *, iterations: int = 20, eps: float = 1e-6, rms_eps: float = 1e-6):
     """A T.macro ``coefficients(mix, alpha, bias, pre, post, comb)`` over thread-local arrays.
 

@@ -37,7 +37,12 @@ import functools
 
 import tilelang.language as T
 
-from mhc_lab.kernels._coefficients import coefficient_backward_macro, mixes_width, sinkhorn_steps
+from mhc_lab.kernels._coefficients import (
+    coefficient_backward_macro,
+    mixes_width,
+    partial_sum_macro,
+    sinkhorn_steps,
+)
 from mhc_lab.kernels._target import (
     canonical_target,
     check_lanes_and_width,
@@ -78,6 +83,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     S = splits
     lanes = list(range(n))
     backward = coefficient_backward_macro(n, C, iterations=iterations)
+    gather = partial_sum_macro(n, S)
     NI = sinkhorn_steps(iterations) * n
 
     def token_scratch():
@@ -89,11 +95,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     @T.macro
     def per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv, dlogit_l,
                   dmix_l, extra_l, dpre, dlogit, dmix, extra):
-        for q in T.unroll(M + 1):
-            mix[q] = partial[0, tok, q]
-        for s in T.serial(S - 1):
-            for q in T.unroll(M + 1):
-                mix[q] = mix[q] + partial[s + 1, tok, q]
+        gather(partial, tok, mix)
         for i in T.unroll(n):
             dpost_l[i] = dpost[tok, i]
             for j in T.unroll(n):

@@ -31,7 +31,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
+from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width, partial_sum_macro
 from mhc_lab.kernels._target import (
     canonical_target,
     ceil_div,
@@ -145,6 +145,7 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
     NT = T.dynamic("T")
     lanes = list(range(n))
     coefficients = coefficient_macro(n, C, iterations=iterations)
+    gather = partial_sum_macro(n, S)
 
     @T.prim_func
     def apply(
@@ -170,11 +171,7 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
             if tx < BT:
                 tok = t0 + tx
                 if tok < NT:
-                    for q in T.unroll(M + 1):
-                        mix[q] = partial[0, tok, q]
-                    for s in T.serial(S - 1):
-                        for q in T.unroll(M + 1):
-                            mix[q] = mix[q] + partial[s + 1, tok, q]
+                    gather(partial, tok, mix)
                     coefficients(mix, alpha, bias, pre_l, post_l, comb)
                     for i in T.unroll(n):
                         pre_out[tok, i] = pre_l[i]
@@ -210,6 +207,7 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
     M, S = mixes_width(n), splits
     NT = T.dynamic("T")
     coefficients = coefficient_macro(n, C, iterations=iterations)
+    gather = partial_sum_macro(n, S)
     threads = 1 if t == "c" else TOKEN_THREADS
 
     @T.prim_func
@@ -225,11 +223,7 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
             comb = T.alloc_local((n * n,), "float32")
             tok = b * threads + (0 if t == "c" else T.get_thread_binding())
             if tok < NT:
-                for q in T.unroll(M + 1):
-                    mix[q] = partial[0, tok, q]
-                for s in T.serial(S - 1):
-                    for q in T.unroll(M + 1):
-                        mix[q] = mix[q] + partial[s + 1, tok, q]
+                gather(partial, tok, mix)
                 coefficients(mix, alpha, bias, pre_l, post_l, comb)
                 for i in T.unroll(n):
                     pre_out[tok, i] = pre_l[i]
