@@ -592,3 +592,18 @@ def test_lab07_pass_table_is_the_bytes_model(n):
     for direction in bytes_model.DIRECTIONS:
         lanes = sum(r + w for name, (r, w) in site_elements(n).items() if name.startswith(direction))
         assert lanes == bytes_model.total("mhc_minimal", n, direction).moved.per_C, direction
+
+
+@pytest.mark.skipif(CUDA, reason="checks the command lines by parsing them on a machine without a GPU")
+def test_warm_commands_are_valid_benchmark_command_lines():
+    """bench warm runs each benchmark at 64 tokens: every command line it builds must parse (the benchmarks
+    parse their arguments, then stop without a GPU with status 1; a bad argument would exit with 2)."""
+    import importlib
+
+    from mhc_lab.bench import SUITES
+    from mhc_lab.course.bench_warm import commands
+
+    lines = commands((2560, 4096))
+    assert {line[0] for line in lines} == {"training", "forward"} and len(lines) == 4
+    for line in lines:
+        assert importlib.import_module(SUITES[line[0]]).main(line[1:]) == 1, line
