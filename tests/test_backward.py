@@ -334,7 +334,8 @@ def test_pre_backward_takes_the_links_gradient_only_from_a_linked_site(monkeypat
     assert seen == [linked]
 
 
-@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("kernels", torch.float32, 1e-5)])
+@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("kernels", torch.float32, 1e-5),
+                                               ("kernels", torch.bfloat16, 1e-6)])
 @pytest.mark.parametrize("n,C", [(4, 8), (2, 5), (1, 3)])
 def test_chained_sites_match_unchained_sites(monkeypatch, backend, dtype, tol, n, C):
     """run_sites: each post projects its lanes for the next pre (kernels/post_project.py); same values and

@@ -413,12 +413,21 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
                 post_project_kernel(n, C, "bfloat16", "cuda", splits=splits)(
                     x.contiguous(), f.contiguous(), post32, res32, phi_hl, out, partial)
         return out, partial
-    out32 = torch.empty(x.shape, dtype=torch.float32)
     partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
+    if x.dtype != torch.float32:
+        # the C target computes in float32: the next pre must get the projection of the lanes as stored in the
+        # stream's dtype, so round them first and project them in a pass of their own
+        from mhc_lab.kernels.pre import projection_kernel_c
+
+        out = post_forward(x, f, post, res, backend)
+        if tokens:
+            projection_kernel_c(n, C)(out.float().contiguous(), phi32, partial)
+        return out, partial
+    out = torch.empty(x.shape, dtype=torch.float32)
     if tokens:
-        post_project_kernel(n, C, "float32", "c")(x.float().contiguous(), f.float().contiguous(), post32, res32,
-                                                  phi32, out32, partial)
-    return (out32 if x.dtype == torch.float32 else out32.to(x.dtype)), partial
+        post_project_kernel(n, C, "float32", "c")(x.contiguous(), f.float().contiguous(), post32, res32, phi32, out,
+                                                  partial)
+    return out, partial
 
 
 @post_forward_linked.register_fake
