@@ -378,6 +378,21 @@ def test_chained_sites_match_unchained_sites(monkeypatch, backend, dtype, tol, n
         assert _relmax(a, b) < tol
 
 
+def test_chained_sites_on_cuda_follow_the_switch():
+    """On CUDA a post projects for the next pre only when CHAIN_ON_CUDA is on (after the fused kernel's CUDA
+    test has run on a GPU) and C is a multiple of 8; elsewhere always."""
+    from types import SimpleNamespace
+
+    from mhc_lab.ops import training
+
+    cuda_lanes = SimpleNamespace(device=torch.device("cuda", 0), shape=(3, 4, 64))
+    odd_width = SimpleNamespace(device=torch.device("cuda", 0), shape=(3, 4, 60))
+    assert training.fused_projection_applies("kernels", cuda_lanes) is training.CHAIN_ON_CUDA
+    assert not training.fused_projection_applies("kernels", odd_width)
+    assert training.fused_projection_applies("reference", odd_width)
+    assert training.fused_projection_applies("kernels", torch.zeros(3, 4, 60))
+
+
 def test_pre_forward_refuses_a_partial_of_the_wrong_shape():
     from mhc_lab.ops.training import pre_forward
 

@@ -439,10 +439,19 @@ def _(x, link, f, post, res, backend, phi_next=None):
                                             dtype=coefficient_dtype(x))
 
 
+# The fused post + next projection (kernels/post_project.py) builds for sm_90 and matches float64 on the C target,
+# but its CUDA test has not yet run on a GPU: until it has, chained sites chain on the CPU only, and on CUDA
+# each pre projects for itself (the measured path).
+CHAIN_ON_CUDA = False
+
+
 def fused_projection_applies(backend: str, x: torch.Tensor) -> bool:
     """Whether a post can project its lanes for the next site (post_forward_linked's phi_next): always for the
-    reference and the C target; on CUDA when the fused kernel's 16-byte row copies fit (C a multiple of 8)."""
-    return backend == "reference" or x.device.type != "cuda" or x.shape[-1] % 8 == 0
+    reference and the C target; on CUDA when CHAIN_ON_CUDA and the fused kernel's 16-byte row copies fit
+    (C a multiple of 8)."""
+    if backend == "reference" or x.device.type != "cuda":
+        return True
+    return CHAIN_ON_CUDA and x.shape[-1] % 8 == 0
 
 
 def _post_linked_setup_context(ctx, inputs, output):
