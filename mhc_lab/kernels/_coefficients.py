@@ -61,6 +61,21 @@ def _sinkhorn_macros(n: int, eps: float):
     return softmax_rows, column_step, row_step
 
 
+def store_coefficients_macro(n: int):
+    """A T.macro ``store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)``: one token's H_pre, H_post and
+    H_res from a thread's local arrays to the outputs (H_res[i, j] = comb[j, i]: comb is kept transposed)."""
+
+    @T.macro
+    def store(tok, pre_l, post_l, comb, pre_out, post_out, res_out):
+        for i in T.unroll(n):
+            pre_out[tok, i] = pre_l[i]
+            post_out[tok, i] = post_l[i]
+            for j in T.unroll(n):
+                res_out[tok, i, j] = comb[j * n + i]
+
+    return store
+
+
 def partial_sum_macro(n: int, splits: int):
     """A T.macro ``gather(partial, tok, mix)``: mix[q] = sum over the splits of partial[s, tok, q] (the raw
     projections and the sum of squares, in a fixed order), from partial [splits, T, n^2+2n+1]."""

@@ -28,7 +28,7 @@ import functools
 
 import tilelang.language as T
 
-from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
+from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width, store_coefficients_macro
 from mhc_lab.kernels._target import canonical_target, compile_program, check_lanes_and_width
 
 
@@ -67,6 +67,7 @@ def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, bl
     lanes = list(range(n))
     coefficients = coefficient_macro(n, C, iterations=iterations)
     project_row = _project_row_macro(n, C)
+    store = store_coefficients_macro(n)
 
     @T.prim_func
     def pre_c(
@@ -90,11 +91,7 @@ def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, bl
                     # pass 1 over the token's row: the n^2+2n projections and the sum of squares
                     project_row(x, phi, tok, mix)
                     coefficients(mix, alpha, bias, pre_l, post_l, comb)
-                    for i in T.serial(n):
-                        pre_out[tok, i] = pre_l[i]
-                        post_out[tok, i] = post_l[i]
-                        for j in T.serial(n):
-                            res_out[tok, i, j] = comb[j * n + i]
+                    store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)
                     # pass 2 over the row: the layer input
                     for c in T.serial(C):
                         y[tok, c] = T.cast(sum([pre_l[j] * T.cast(x[tok, j, c], "float32") for j in lanes]), dtype)

@@ -59,6 +59,22 @@ def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
     return check_target_dtype(name, dtype, target, ("bfloat16",))
 
 
+def _dpre_row_macro(n: int, C: int):
+    """A T.macro ``dpre_row(x, dy, tok, acc)`` (C target): acc[j] = <dy[tok], x[tok, j]>, dH_pre of one token."""
+    lanes = list(range(n))
+
+    @T.macro
+    def dpre_row(x, dy, tok, acc):
+        for j in T.serial(n):
+            acc[j] = T.float32(0)
+        for c in T.serial(C):
+            d = T.cast(dy[tok, c], "float32")
+            for j in lanes:
+                acc[j] += d * T.cast(x[tok, j, c], "float32")
+
+    return dpre_row
+
+
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                       splits: int = 1, iterations: int = 20, threads: int = 256,
                                       block_tokens: int = 64, block_c: int | None = None, stages: int = 2,
@@ -111,6 +127,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             extra[tok, q] = extra_l[q]
 
     if t == "c":
+        dpre_row = _dpre_row_macro(n, C)
 
         @T.prim_func
         def coefficients_backward_c(
@@ -123,12 +140,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
         ):
             with T.Kernel(NT) as tok:
                 mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
-                for j in T.serial(n):
-                    dpre_l[j] = T.float32(0)
-                for c in T.serial(C):
-                    d = T.cast(dy[tok, c], "float32")
-                    for j in lanes:
-                        dpre_l[j] += d * T.cast(x[tok, j, c], "float32")
+                dpre_row(x, dy, tok, dpre_l)
                 per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
                           dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
 
@@ -265,20 +277,15 @@ def dpre_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", 
     n = 4."""
     t = _check("pre backward (dH_pre)", n, C, dtype, target)
     NT = T.dynamic("T")
-    lanes = list(range(n))
     if t == "c":
+        dpre_row = _dpre_row_macro(n, C)
 
         @T.prim_func
         def dpre_reduce_c(x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype),
                           dpre: T.Tensor((NT, n), "float32")):
             with T.Kernel(NT) as tok:
                 acc = T.alloc_local((n,), "float32")
-                for j in T.serial(n):
-                    acc[j] = T.float32(0)
-                for c in T.serial(C):
-                    d = T.cast(dy[tok, c], "float32")
-                    for j in lanes:
-                        acc[j] += d * T.cast(x[tok, j, c], "float32")
+                dpre_row(x, dy, tok, acc)
                 for j in T.serial(n):
                     dpre[tok, j] = acc[j]
 
@@ -554,10 +561,15 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
         reduce = compile_program(dpre_program(n, C, dtype, t), t)
         tokens = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits, phases="split"), t)
 
-        def coefficients(x, dy, partial, *rest):  # the arguments of the fused kernel 1 (per target)
-            dpre = rest[5] if t != "c" else rest[4]
-            reduce(x, dy, dpre)
-            tokens(partial, *rest)
+        # the fused kernel 1's arguments; the CUDA one also takes pre (before dpre) and writes kernel 2's operands
+        if t == "c":
+            def coefficients(x, dy, partial, bias, alpha, dpost, dres, dpre, *outputs):
+                reduce(x, dy, dpre)
+                tokens(partial, bias, alpha, dpost, dres, dpre, *outputs)
+        else:
+            def coefficients(x, dy, partial, bias, alpha, dpost, dres, pre, dpre, *outputs):
+                reduce(x, dy, dpre)
+                tokens(partial, bias, alpha, dpost, dres, pre, dpre, *outputs)
     else:
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,

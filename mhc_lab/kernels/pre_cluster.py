@@ -31,7 +31,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
+from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width, store_coefficients_macro
 from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div
 
 SMEM_LIMIT = 227 * 1024
@@ -79,6 +79,7 @@ def cluster_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda
     lanes = list(range(n))
     ranks = list(range(S))
     coefficients = coefficient_macro(n, C, iterations=iterations)
+    store = store_coefficients_macro(n)
     GQ = BT * (M + 1)
 
     @T.prim_func
@@ -164,11 +165,7 @@ def cluster_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda
                     for i in T.unroll(n):
                         pre_s[tx, i] = pre_l[i]
                     if rank == 0 and tok < NT:
-                        for i in T.unroll(n):
-                            pre_out[tok, i] = pre_l[i]
-                            post_out[tok, i] = post_l[i]
-                            for j in T.unroll(n):
-                                res_out[tok, i, j] = comb[j * n + i]
+                        store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)
                 T.sync_threads()
                 for g0 in T.serial(ceil_div(BT * CW, TH)):
                     g = g0 * TH + tx

@@ -31,7 +31,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width
+from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width, store_coefficients_macro
 from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div
 from mhc_lab.kernels.pre_split import phi_rows
 
@@ -84,6 +84,7 @@ def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cud
     NT = T.dynamic("T")
     lanes = list(range(n))
     coefficients = coefficient_macro(n, C, iterations=iterations)
+    store = store_coefficients_macro(n)
 
     @T.prim_func
     def pre_lookback(
@@ -172,11 +173,7 @@ def lookback_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cud
                         for i in T.unroll(n):
                             pre_s[t, i] = pre_l[i]
                         if t0 + t < NT:
-                            for i in T.unroll(n):
-                                pre_out[t0 + t, i] = pre_l[i]
-                                post_out[t0 + t, i] = post_l[i]
-                                for jj in T.unroll(n):
-                                    res_out[t0 + t, i, jj] = comb[jj * n + i]
+                            store(t0 + t, pre_l, post_l, comb, pre_out, post_out, res_out)
                 T.sync_threads()
                 if tx == 0:
                     T.call_extern("handle", "mhc_raise", T.address_of(sync[1, b]))

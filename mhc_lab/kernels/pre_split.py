@@ -31,7 +31,12 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width, partial_sum_macro
+from mhc_lab.kernels._coefficients import (
+    coefficient_macro,
+    mixes_width,
+    partial_sum_macro,
+    store_coefficients_macro,
+)
 from mhc_lab.kernels._target import (
     canonical_target,
     ceil_div,
@@ -146,6 +151,7 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
     lanes = list(range(n))
     coefficients = coefficient_macro(n, C, iterations=iterations)
     gather = partial_sum_macro(n, S)
+    store = store_coefficients_macro(n)
 
     @T.prim_func
     def apply(
@@ -173,12 +179,9 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
                 if tok < NT:
                     gather(partial, tok, mix)
                     coefficients(mix, alpha, bias, pre_l, post_l, comb)
+                    store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)
                     for i in T.unroll(n):
-                        pre_out[tok, i] = pre_l[i]
-                        post_out[tok, i] = post_l[i]
                         pre_s[tx, i] = pre_l[i]
-                        for j in T.unroll(n):
-                            res_out[tok, i, j] = comb[j * n + i]
                 else:
                     for i in T.unroll(n):
                         pre_s[tx, i] = T.float32(0)
@@ -208,6 +211,7 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
     NT = T.dynamic("T")
     coefficients = coefficient_macro(n, C, iterations=iterations)
     gather = partial_sum_macro(n, S)
+    store = store_coefficients_macro(n)
     threads = 1 if t == "c" else TOKEN_THREADS
 
     @T.prim_func
@@ -225,11 +229,7 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
             if tok < NT:
                 gather(partial, tok, mix)
                 coefficients(mix, alpha, bias, pre_l, post_l, comb)
-                for i in T.unroll(n):
-                    pre_out[tok, i] = pre_l[i]
-                    post_out[tok, i] = post_l[i]
-                    for j in T.unroll(n):
-                        res_out[tok, i, j] = comb[j * n + i]
+                store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)
 
     return token_coefficients
 
