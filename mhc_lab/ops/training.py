@@ -211,8 +211,8 @@ def _(x, phi, bias, alpha, backend, partial_in=None):
     tokens, n, C = x.shape
     m = mixes_width(n)
     cd = dict(dtype=coefficient_dtype(x), device=x.device)
-    partial = (torch.empty((0,), **cd) if partial_in is not None
-               else x.new_empty((partial_splits(backend, x), tokens, m + 1), **cd))
+    splits = partial_splits(backend, x)
+    partial = _no_partial(x) if partial_in is not None else x.new_empty((splits, tokens, m + 1), **cd)
     return (x.new_empty((tokens, C)), x.new_empty((tokens, n), **cd), x.new_empty((tokens, n, n), **cd),
             x.new_empty((tokens, n), **cd), partial, _link(x))
 
@@ -433,7 +433,7 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
 @post_forward_linked.register_fake
 def _(x, link, f, post, res, backend, phi_next=None):
     if phi_next is None:
-        return torch.empty_like(x), torch.empty((0,), dtype=coefficient_dtype(x), device=x.device)
+        return torch.empty_like(x), _no_partial(x)
     tokens, n, _ = x.shape
     return torch.empty_like(x), x.new_empty((partial_splits(backend, x), tokens, mixes_width(n) + 1),
                                             dtype=coefficient_dtype(x))
