@@ -7,8 +7,8 @@ Site (n = 4, bf16 lanes, float32 coefficients, 20 Sinkhorn rounds, layer F = ide
 gradients of x, phi, bias and alpha for a random upstream gradient, timed as medians (L2 flushed between
 runs) for ours (the fused kernels through mhc_lab.ops.training: mhc_pre then mhc_post, and mhc_site, which
 links them so that the lanes' two gradients are summed in the pre's backward pass), DeepSeek's TileKernels
-(tile-kernels 1.0.0, its autograd path), torch.compile of the reference and the eager reference; every gradient is compared
-with the float32 reference on the same inputs.
+(tile-kernels 1.0.0, its autograd path), torch.compile of the reference and the eager reference; every
+gradient is compared with the float32 reference on the same inputs.
 
 Block (pre-norm causal attention + 4C GELU MLP, bf16, 4 sequences x 4096 tokens): forward + backward of one
 block with a plain residual and with mHC around each of its two sub-layers (ours, ours with the mHC ops
@@ -142,9 +142,9 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
 def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_variants=()) -> dict:
     """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
     ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"} or
-    {"phases": "split"}), kernel 2
-    for each tuning variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products",
-    "add_dx", "prefetch_dx_post"}); every variant's outputs are compared with the first's of the same add_dx."""
+    {"phases": "split"}), kernel 2 for each tuning variant ({"lane_splits", "block_tokens", "block_c",
+    "lane_group", "stages", "dx_products", "add_dx", "prefetch_dx_post"}); every variant's outputs are compared
+    with the first's of the same add_dx."""
     from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
 
     x, phi, bias, alpha = _inputs(tokens, C, seed=2)
