@@ -361,7 +361,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     K = n * C
     NT = T.dynamic("T")
     S = splits
-    lanes = list(range(n))
 
     if t == "c":
         BCc = 8
