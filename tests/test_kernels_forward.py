@@ -214,6 +214,8 @@ def test_post_project_refuses_what_it_cannot_run():
         post_project_program(9, 64, "float32", "c")
     with pytest.raises(ValueError, match="expected dtype in \\('bfloat16',\\), got 'float16'"):
         post_project_program(4, 64, "float16", "sm_90")
+    with pytest.raises(ValueError, match="n = 8 with 64 tokens x 64 columns in 2 stages needs up to 600064 bytes"):
+        post_project_program(8, 64, "bfloat16", "sm_90", block_k=64, stages=2)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")

@@ -32,9 +32,7 @@ import tilelang
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width, store_coefficients_macro
-from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div
-
-SMEM_LIMIT = 227 * 1024
+from mhc_lab.kernels._target import SMEM_LIMIT, canonical_target, compile_program, round_up, ceil_div
 
 _PRELUDE = r"""
 #include <cooperative_groups.h>
