@@ -214,14 +214,22 @@ def test_split_coefficient_kernels_build_for_sm90(n, C):
 
 
 @needs_nvcc
-def test_lane_kernel_prefetch_of_the_posts_dx_builds_for_sm90():
+def test_lane_kernel_stages_the_posts_dx_for_sm90():
     from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
+
+    plain, linked = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=a, splits=2),
+                                     "sm_90").get_kernel_source() for a in (False, True))
+    # each lane's dx_post tile arrives by a bulk copy into shared memory, with the other operands
+    assert linked.count("tma_load") == plain.count("tma_load") + lane_tiling(4)[0]
+
+
+def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
-    plain, prefetch = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, splits=2,
-                                                                  prefetch_dx_post=p), "sm_90").get_kernel_source()
-                       for p in (False, True))
-    assert "dxp[" in prefetch and "dxp[" not in plain  # a register tile loaded ahead of the lane's GEMMs
+    with pytest.raises(ValueError, match=r"4 lanes x 64 columns x 64 tokens in 2 stages with dx_post need 233472 "
+                                         r"bytes of shared memory, more than the 232448"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4)
 
 
 @pytest.mark.parametrize("n,C,sms", [(4, 2560, 132), (4, 4096, 132), (4, 7168, 132), (8, 4096, 132), (2, 40, 132),
@@ -334,23 +342,20 @@ def test_pre_backward_takes_the_links_gradient_only_from_a_linked_site(monkeypat
     assert seen == [linked]
 
 
-@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("kernels", torch.float32, 1e-5),
-                                               ("kernels", torch.bfloat16, 1e-6)])
-@pytest.mark.parametrize("n,C", [(4, 8), (2, 5), (1, 3)])
-def test_chained_sites_match_unchained_sites(monkeypatch, backend, dtype, tol, n, C):
-    """run_sites: each post projects its lanes for the next pre (kernels/post_project.py); same values and
-    gradients as sites that each project for themselves; every pre but the first takes its partial_in."""
+def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
+    """run_sites against sites that each project for themselves: the largest relative difference over the
+    output and every gradient; asserts that every pre but the first took its partial_in."""
     from mhc_lab.ops import training
 
-    layers = [_Layer(C).to(dtype) for _ in range(3)]
+    layers = [_Layer(C).to(device, dtype) for _ in range(3)]
     torch.manual_seed(1)
-    connections = [training.MHCConnection(n, C, backend=backend).to(dtype if backend == "reference" else torch.float32)
-                   for _ in layers]
+    connections = [training.MHCConnection(n, C, backend=backend).to(
+        device, dtype if backend == "reference" else torch.float32) for _ in layers]
     with torch.no_grad():
         for c in connections:
             c.phi.normal_(0, 0.3)
-    x = torch.randn(2, 3, n, C, dtype=dtype, generator=torch.Generator().manual_seed(2))
-    upstream = torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 3, n, C, dtype=dtype, generator=torch.Generator().manual_seed(2)).to(device)
+    upstream = torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(3)).to(device)
     params = [p for c in connections for p in c.parameters()]
 
     def grads(run):
@@ -374,13 +379,33 @@ def test_chained_sites_match_unchained_sites(monkeypatch, backend, dtype, tol, n
     monkeypatch.setattr(training, "pre_forward", spy)
     got = grads(lambda h: training.run_sites(h, connections, layers))
     assert seen == [False, True, True]
-    for a, b in zip(got, want):
-        assert _relmax(a, b) < tol
+    return max(_relmax(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("kernels", torch.float32, 1e-5),
+                                               ("kernels", torch.bfloat16, 1e-6)])
+@pytest.mark.parametrize("n,C", [(4, 8), (2, 5), (1, 3)])
+def test_chained_sites_match_unchained_sites(monkeypatch, backend, dtype, tol, n, C):
+    """run_sites: each post projects its lanes for the next pre (kernels/post_project.py); same values and
+    gradients as sites that each project for themselves; every pre but the first takes its partial_in."""
+    assert _chained_against_unchained(monkeypatch, backend, dtype, n, C) < tol
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA kernels run only there")
+@pytest.mark.parametrize("n,C", [(4, 4096), (4, 136), (2, 40), (8, 16), (1, 1000)])
+def test_cuda_chained_sites_match_unchained_sites(monkeypatch, n, C):
+    """The same on CUDA with bf16 lanes, chaining switched on: the fused post + projection and the pre's own
+    projection sum in other orders, so the coefficients differ by float32 rounding and the lanes by at most
+    about one bf16 rounding."""
+    from mhc_lab.ops import training
+
+    with training.chaining_on_cuda(True):
+        assert _chained_against_unchained(monkeypatch, "kernels", torch.bfloat16, n, C, device="cuda") < 2e-2
 
 
 def test_chained_sites_on_cuda_follow_the_switch():
-    """On CUDA a post projects for the next pre only when CHAIN_ON_CUDA is on (after the fused kernel's CUDA
-    test has run on a GPU) and C is a multiple of 8; elsewhere always."""
+    """On CUDA a post projects for the next pre only when CHAIN_ON_CUDA is on (or within chaining_on_cuda) and
+    C is a multiple of 8; elsewhere always."""
     from types import SimpleNamespace
 
     from mhc_lab.ops import training
@@ -391,6 +416,10 @@ def test_chained_sites_on_cuda_follow_the_switch():
     assert not training.fused_projection_applies("kernels", odd_width)
     assert training.fused_projection_applies("reference", odd_width)
     assert training.fused_projection_applies("kernels", torch.zeros(3, 4, 60))
+    for enabled in (True, False):
+        with training.chaining_on_cuda(enabled):
+            assert training.fused_projection_applies("kernels", cuda_lanes) is enabled
+        assert training.fused_projection_applies("kernels", cuda_lanes) is training.CHAIN_ON_CUDA
 
 
 def test_pre_forward_refuses_a_partial_of_the_wrong_shape():

@@ -6,19 +6,23 @@
 Site (n = 4, bf16 lanes, float32 coefficients, 20 Sinkhorn rounds, layer F = identity): forward and the
 gradients of x, phi, bias and alpha for a random upstream gradient, timed as medians (L2 flushed between
 runs) for ours (the fused kernels through mhc_lab.ops.training: mhc_pre then mhc_post, and mhc_site, which
-links them so that the lanes' two gradients are summed in the pre's backward pass), DeepSeek's TileKernels
+links them so that the lanes' two gradients are summed in the pre's backward pass, and the same site chained
+inside a stack: its pre takes x's projection from the previous post, its post projects for the next pre),
+DeepSeek's TileKernels
 (tile-kernels 1.0.0, its autograd path), torch.compile of the reference and the eager reference; every
 gradient is compared with the float32 reference on the same inputs.
 
 Block (pre-norm causal attention + 4C GELU MLP, bf16, 4 sequences x 4096 tokens): forward + backward of one
-block with a plain residual and with mHC around each of its two sub-layers (ours, ours with the mHC ops
-recomputed in backward, TileKernels, torch.compile of the reference), with peak memory above the inputs.
+block with a plain residual and with mHC around each of its two sub-layers (ours as linked sites, ours as
+chained sites where the first post projects for the second pre, ours with the mHC ops recomputed in
+backward, TileKernels, torch.compile of the reference), with peak memory above the inputs.
 Results go to mhc_lab/recorded/training_h200.json unless --no-save.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -55,7 +59,20 @@ def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> di
 
 
 def _site_impls(skip):
-    from mhc_lab.ops.training import mhc_post as ours_post, mhc_pre as ours_pre, mhc_site
+    from mhc_lab.ops.training import chaining_on_cuda, mhc_post as ours_post, mhc_pre as ours_pre, mhc_site
+    from mhc_lab.ops.training import mhc_site_chained
+
+    made = {}
+
+    def chain_partial(x, phi, bias, alpha):
+        """x's projection with phi as a previous post hands it over, made once per input (outside the timing)."""
+        key = (x.data_ptr(), phi.data_ptr(), x.shape)
+        if key not in made:
+            made.clear()
+            with torch.no_grad():
+                made[key] = torch.ops.mhc_lab.pre_forward(x.detach(), phi.detach(), bias.detach(), alpha.detach(),
+                                                          "kernels")[4]
+        return made[key]
 
     def ours(x, phi, bias, alpha):
         y, post, res = ours_pre(x, phi, bias, alpha, backend="kernels")
@@ -64,11 +81,18 @@ def _site_impls(skip):
     def ours_linked(x, phi, bias, alpha):  # the site as one call: the post's lanes gradient left to the pre
         return mhc_site(x, phi, bias, alpha, lambda y: y, backend="kernels")
 
+    def ours_chained(x, phi, bias, alpha):  # a site inside a stack: the previous post projected x for this pre,
+        # and this post projects its lanes for the next pre (the same phi here; untimed, made once below)
+        with chaining_on_cuda(True):
+            partial = chain_partial(x, phi, bias, alpha)
+            return mhc_site_chained(x, phi, bias, alpha, lambda y: y, partial=partial, next_phi=phi,
+                                    backend="kernels")[0]
+
     def reference(x, phi, bias, alpha):
         pre, post, res = mhc_coefficients(x, phi, bias, alpha)
         return mhc_post(x, mhc_pre(x, pre), post, res)
 
-    impls = {"ours": ours, "ours_linked": ours_linked}
+    impls = {"ours": ours, "ours_linked": ours_linked, "ours_chained": ours_chained}
     errors = {}
     if "tilekernels" not in skip:
         try:
@@ -113,7 +137,7 @@ def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
         except Exception as e:  # noqa: BLE001
             out["errors"][name] = repr(e)[:500]
             log(f"  site {tokens}x{C} {name:12s} FAILED {repr(e)[:300]}")
-    for name in ("ours", "ours_linked"):
+    for name in ("ours", "ours_linked", "ours_chained"):
         if name in out["times_ms"] and "tilekernels" in out["times_ms"]:
             out[f"{name}_vs_tilekernels"] = out["times_ms"][name] / out["times_ms"]["tilekernels"]
     out["times_ms"].update(_site_components(x, phi, bias, alpha, g, bench))
@@ -143,7 +167,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
     ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"} or
     {"phases": "split"}), kernel 2 for each tuning variant ({"lane_splits", "block_tokens", "block_c",
-    "lane_group", "stages", "dx_products", "add_dx", "prefetch_dx_post"}); every variant's outputs are compared
+    "lane_group", "stages", "dx_products", "threads", "add_dx"}); every variant's outputs are compared
     with the first's of the same add_dx."""
     from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
 
@@ -272,13 +296,17 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
     heads = width // 128
     out = {"C": width, "tokens": batch * seq, "batch": batch, "seq": seq, "heads": heads, "times_ms": {},
            "peak_gib": {}, "overhead_pct": {}, "errors": {}}
-    kinds = ["residual", "mhc_ours", "mhc_ours_recompute", "mhc_tilekernels", "mhc_compiled"]
+    from mhc_lab.ops.training import chaining_on_cuda
+
+    kinds = ["residual", "mhc_ours", "mhc_ours_chained", "mhc_ours_recompute", "mhc_tilekernels", "mhc_compiled"]
+    chained = {"mhc_ours": False, "mhc_ours_chained": True}  # the others: the library's default (CHAIN_ON_CUDA)
     for kind in kinds:
         if kind == "mhc_tilekernels" and "tilekernels" in skip or kind == "mhc_compiled" and "compile" in skip:
             continue
         try:
             torch.manual_seed(0)
-            connection = {"mhc_ours_recompute": "mhc_ours", "mhc_compiled": "mhc_reference"}.get(kind, kind)
+            connection = {"mhc_ours_recompute": "mhc_ours", "mhc_ours_chained": "mhc_ours",
+                          "mhc_compiled": "mhc_reference"}.get(kind, kind)
             block = _Block(width, heads, connection).cuda()
             shape = (batch, seq, width) if kind == "residual" else (batch, seq, N, width)
             h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -298,8 +326,9 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
                 def fn(h, block=block):
                     return checkpoint(block, h, use_reentrant=False, context_fn=context)
 
-            def step(fn=fn, h=h, g=g):
-                fn(h).backward(g)
+            def step(fn=fn, h=h, g=g, chain=chained.get(kind)):
+                with contextlib.nullcontext() if chain is None else chaining_on_cuda(chain):
+                    fn(h).backward(g)
 
             step()
             torch.cuda.synchronize()

@@ -28,8 +28,7 @@
 # and one for the dphi partial, which stays in registers until the end.
 # H200, 16384 x 4096 (2026-11-30, mhc_lab/recorded/training_h200.json, sweeps): kernel 1 0.27 ms (64 x 128
 # tiles; 0.45 with the earlier 16 x 256), kernel 2 0.55 ms (2.2 TB/s on its 9C bytes); docs/kernel-notes.md has
-# the versions before these and what limits them. Built and not yet timed: kernel 1 as two kernels
-# (phases="split") and kernel 2's prefetch of the post's dx (prefetch_dx_post).
+# the versions before these and what limits them, and what kernel 1 as two kernels (phases="split") measured.
 """pre backward: coefficient gradients (kernel 1), lane and phi gradients (kernel 2); CUDA or C target."""
 
 
@@ -44,6 +43,7 @@ from mhc_lab.kernels._coefficients import (
     sinkhorn_steps,
 )
 from mhc_lab.kernels._target import (
+    SMEM_LIMIT,
     canonical_target,
     check_lanes_and_width,
     check_target_dtype,
@@ -344,7 +344,7 @@ def gemm_depth(n: int) -> int:
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                               dx_products: int = 3, threads: int = 128, prefetch_dx_post: bool = False):
+                               dx_products: int = 3, threads: int = 128):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -354,8 +354,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     CUDA tuning: lane_group lanes per CTA (default lane_tiling(n), which also picks block_c), token tiles of
     block_tokens, stages > 1 pipelines the token loop, dx_products 3 (dmix and phi both split into bf16
     hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx);
-    prefetch_dx_post (add_dx only) loads each lane's dx_post tile into registers before that lane's GEMMs, so
-    the load overlaps them, instead of reading it where it is added."""
+    With add_dx each lane's dx_post tile comes into shared memory with the token loop's other operands, so the
+    pipeline fetches it ahead (read from global memory where it is added instead, the 4C cost 0.40 ms at
+    16384 x 4096 on the H200; staged, 0.22 ms, 2026-11-30)."""
     t = _check("pre backward (lanes)", n, C, dtype, target)
     M = mixes_width(n)
     K = n * C
@@ -420,6 +421,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     group = list(range(LG))
 
     CP = coef_width(n)
+    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"pre backward (lanes): {LG} lanes x {BC} columns x {BT} tokens in {stages} stages "
+                         f"{'with dx_post ' if add_dx else ''}need {smem} bytes of shared memory, more than the "
+                         f"{SMEM_LIMIT} a CTA may use; take fewer lanes (lane_group), columns or stages")
 
     @T.macro
     def body(x, dy, dsplit, coef, phi, dx_post, dx, dphi_partial):
@@ -433,7 +439,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             coef_s = T.alloc_shared((BT, CP), "float32")  # H_pre per lane, then 2 ds
             acc = T.alloc_fragment((BT, BC), "float32")
             dxf = T.alloc_fragment((BT, BC), dtype)
-            dxp = T.alloc_fragment((BT, BC), dtype) if dx_post is not None and prefetch_dx_post else None
+            dps = [T.alloc_shared((BT, BC), dtype) for _ in group] if dx_post is not None else None
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
             c0 = bc * BC
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
@@ -458,11 +464,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
                 for jj in group:
                     T.copy(x[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], xs[jj])
+                    if dps is not None:
+                        T.copy(dx_post[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], dps[jj])
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
                 for jj in group:
                     j = lg * LG + jj
-                    if dxp is not None:
-                        T.copy(dx_post[t0 : t0 + BT, j, c0 : c0 + BC], dxp)
                     T.clear(acc)
                     T.gemm(a_dx, phi_s[jj], acc)
                     if dx_products == 3:
@@ -470,10 +476,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
-                        if dxp is not None:  # the post's gradient of the same lanes, read once
-                            v = v + T.cast(dxp[tt, c], "float32")
-                        elif dx_post is not None:
-                            v = v + T.cast(dx_post[T.min(t0 + tt, NT - 1), j, T.min(c0 + c, C - 1)], "float32")
+                        if dps is not None:  # the post's gradient of the same lanes, read once
+                            v = v + T.cast(dps[jj][tt, c], "float32")
                         dxf[tt, c] = T.cast(v, dtype)
                     T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
                     T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
@@ -508,17 +512,28 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
 
 def lane_tiling(n: int) -> tuple[int, int]:
-    """(lanes per CTA, columns per CTA) of kernel 2 on CUDA: the most lanes (a divisor of n, at most 4) and
+    """(lanes per CTA, columns per CTA) of kernel 2 on CUDA: at most 2 lanes (a divisor of n), and the most
     columns (64 or 32) whose dphi accumulators, lanes x 2 gemm_depth(n) x columns float32, stay within 128
-    registers per thread of a 128-thread CTA."""
+    registers per thread of a 128-thread CTA. At n = 4 two lanes of 64 columns beat four: 0.513 against
+    0.548 ms at 16384 x 4096, 0.379 against 0.400 at 16384 x 2560 (H200, 2026-11-30), and they leave the
+    shared memory to stage the linked site's dx_post."""
     k2 = 2 * gemm_depth(n)
-    for lanes in (4, 3, 2, 1):
+    for lanes in (2, 1):
         if n % lanes:
             continue
         for columns in (64, 32):
             if lanes * k2 * columns <= 128 * 128:
                 return lanes, columns
     return 1, 32
+
+
+def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stages: int, add_dx: bool) -> int:
+    """Shared memory of kernel 2 on CUDA, at most: phi's columns once; per stage the three dmix operands, the
+    coefficients, the lanes' x tiles, the dy tile and (add_dx) the lanes' dx_post tiles."""
+    k2 = 2 * gemm_depth(n)
+    staged = (3 * block_tokens * k2 * 2 + block_tokens * coef_width(n) * 4
+              + (lanes * (2 if add_dx else 1) + 1) * block_tokens * block_c * 2)
+    return lanes * k2 * block_c * 2 + stages * staged
 
 
 def lane_splits_for(n: int, C: int, sms: int, *, least_efficiency: float = 0.9, most: int = 32) -> int:
@@ -551,7 +566,7 @@ def dphi_from_partial(partial, n: int):
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                         dx_products: int = 3, prefetch_dx_post: bool = False, phases: str = "fused"):
+                         dx_products: int = 3, threads: int = 128, phases: str = "fused"):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -573,6 +588,6 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
-                                   "prefetch_dx_post": prefetch_dx_post}
+                                   "threads": threads}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
     return coefficients, lanes
