@@ -495,9 +495,11 @@ def load_recorded(name: str = RECORDING) -> dict | None:
     return recorded_or_none(name)
 
 
-SITE_IMPLEMENTATIONS = {"ours": "ours (TileLang)", "ours_linked": "ours, linked", "tilekernels": "TileKernels",
+SITE_IMPLEMENTATIONS = {"ours": "ours (TileLang)", "ours_linked": "ours, linked", "ours_chained": "ours, chained",
+                        "tilekernels": "TileKernels",
                         "compiled": "torch.compile", "eager": "eager"}
 BLOCK_IMPLEMENTATIONS = {"residual": "plain residual", "mhc_ours": "mHC, ours",
+                         "mhc_ours_chained": "mHC, ours, chained",
                          "mhc_ours_recompute": "mHC, ours + recompute", "mhc_tilekernels": "mHC, TileKernels",
                          "mhc_compiled": "mHC, torch.compile"}
 
@@ -556,7 +558,7 @@ def block_figure(results: dict, label: str):
 
     rows = (results or {}).get("block") or []
     fig = go.Figure()
-    for key in ("mhc_ours", "mhc_ours_recompute", "mhc_tilekernels", "mhc_compiled"):
+    for key in ("mhc_ours", "mhc_ours_chained", "mhc_ours_recompute", "mhc_tilekernels", "mhc_compiled"):
         xs, ys = [], []
         for r in rows:
             times, over = r.get("times_ms") or {}, r.get("overhead_pct") or {}

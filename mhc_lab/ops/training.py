@@ -18,6 +18,7 @@ recompute exactly these ops (``MHCResidualStream(recompute_block=...)``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional, Sequence
 
@@ -439,10 +440,24 @@ def _(x, link, f, post, res, backend, phi_next=None):
                                             dtype=coefficient_dtype(x))
 
 
-# The fused post + next projection (kernels/post_project.py) builds for sm_90 and matches float64 on the C target,
-# but its CUDA test has not yet run on a GPU: until it has, chained sites chain on the CPU only, and on CUDA
-# each pre projects for itself (the measured path).
+# Chained sites on CUDA pass their tests on the H200 (n = 1, 2, 4, 8), but they are not faster there yet: the
+# fused post + next projection takes about what the post and the projection pass take apart (16384 x 4096:
+# 0.52 ms against 0.31 + 0.19; site forward + backward 2.44 ms chained, 2.41 linked; block +12.0% against
+# +11.6%, 2026-11-30, docs/kernel-notes.md). So on CUDA each pre projects for itself unless this is switched
+# on (or within chaining_on_cuda(True)); on the CPU sites always chain.
 CHAIN_ON_CUDA = False
+
+
+@contextlib.contextmanager
+def chaining_on_cuda(enabled: bool):
+    """Within this block, chained sites on CUDA chain (enabled) or not, whatever CHAIN_ON_CUDA says: the
+    benchmarks time both designs in one run."""
+    global CHAIN_ON_CUDA
+    saved, CHAIN_ON_CUDA = CHAIN_ON_CUDA, bool(enabled)
+    try:
+        yield
+    finally:
+        CHAIN_ON_CUDA = saved
 
 
 def fused_projection_applies(backend: str, x: torch.Tensor) -> bool:
