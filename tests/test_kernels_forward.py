@@ -216,6 +216,8 @@ def test_post_project_refuses_what_it_cannot_run():
         post_project_program(4, 64, "float16", "sm_90")
     with pytest.raises(ValueError, match="n = 8 with 64 tokens x 64 columns in 2 stages needs up to 600064 bytes"):
         post_project_program(8, 64, "bfloat16", "sm_90", block_k=64, stages=2)
+    with pytest.raises(ValueError, match="block_k must be a multiple of 64, got 32"):
+        post_project_program(8, 64, "bfloat16", "sm_90", one_gemm=True)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
@@ -228,9 +230,21 @@ def test_post_project_builds_for_sm90(n, C):
     assert "tma_store" in src  # the new lanes leave from shared memory in bulk
 
 
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
+def test_post_project_variants_build_for_sm90():
+    from mhc_lab.kernels.post_project import post_project_kernel
+
+    src = post_project_kernel(4, 4096, "bfloat16", "sm_90", store="registers", one_gemm=True).get_kernel_source()
+    assert "tma_store" not in src and "*(uint2*)(out + " in src  # 8-byte stores from the registers
+    assert src.count("warpgroup_wait") == 1  # one GEMM per column block, one wait for it
+
+
 @needs_cuda
-@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 257), (4, 40, 7), (4, 200, 33), (2, 72, 1), (8, 40, 65), (1, 72, 7)])
-def test_cuda_post_project_matches_float64(n, C, tokens):
+@pytest.mark.parametrize("n,C,tokens,tuning", [
+    (4, 4096, 257, {}), (4, 40, 7, {}), (4, 200, 33, {}), (2, 72, 1, {}), (8, 40, 65, {}), (1, 72, 7, {}),
+    (4, 4096, 257, {"store": "registers"}), (4, 200, 33, {"store": "registers", "one_gemm": True}),
+    (2, 72, 3, {"one_gemm": True}), (8, 40, 65, {"store": "registers"})])
+def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
 
@@ -242,7 +256,7 @@ def test_cuda_post_project_matches_float64(n, C, tokens):
     phi_split_kernel(n, C, "cuda")(phi, phi_hl)
     out = torch.full_like(x, float("nan"))
     partial = torch.full((4, tokens, n * n + 2 * n + 1), float("nan"), device="cuda")
-    post_project_kernel(n, C, "bfloat16", "cuda", splits=4)(x, f, post, res, phi_hl, out, partial)
+    post_project_kernel(n, C, "bfloat16", "cuda", splits=4, **tuning)(x, f, post, res, phi_hl, out, partial)
     _assert_close("next lanes", out, want_out, "cuda", "lanes")
     got = partial.sum(0).double().cpu()
     # against the projection of the lanes as the kernel stored them (a bf16 rounding of the next lanes apart)
