@@ -224,28 +224,12 @@ def test_lane_kernel_stages_the_posts_dx_for_sm90():
     assert linked.count("tma_load") == plain.count("tma_load") + lane_tiling(4)[0]
 
 
-@needs_nvcc
-def test_wide_lane_kernel_builds_for_sm90():
-    from mhc_lab.kernels._target import compile_program
-    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
-
-    narrow, wide = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, splits=2,
-                                                               wide=w), "sm_90").get_kernel_source()
-                    for w in (False, True))
-    # per token tile: one GEMM per product for both lanes (N = 128), so three tensor-core waits instead of six
-    assert narrow.count("warpgroup_wait") == 6 and wide.count("warpgroup_wait") == 3
-    assert "64, 128, 16" in wide
-
-
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
     with pytest.raises(ValueError, match=r"4 lanes x 64 columns x 64 tokens in 2 stages with dx_post need 233472 "
                                          r"bytes of shared memory, more than the 232448"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4)
-    with pytest.raises(ValueError, match="wide lays the lanes' tiles side by side in 64-column blocks of shared "
-                                         "memory, so block_c must be a multiple of 64, got 32"):
-        pre_backward_lanes_program(8, 4096, "bfloat16", "sm_90", wide=True)
 
 
 @pytest.mark.parametrize("n,C,sms", [(4, 2560, 132), (4, 4096, 132), (4, 7168, 132), (8, 4096, 132), (2, 40, 132),
@@ -577,32 +561,6 @@ def test_cuda_split_coefficient_kernels_match_the_fused_one(n, C, tokens):
         outs[phases] = got + [dsplit, coef]
     for name, a, b in zip(("dpre", "dlogit", "dmix", "extra", "dsplit", "coef"), outs["split"], outs["fused"]):
         assert _relmax(a, b) < (1e-2 if name == "dsplit" else 1e-4), name
-
-
-@needs_cuda
-@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (4, 2560, 129)])
-@pytest.mark.parametrize("add_dx", [False, True])
-def test_cuda_wide_lane_kernel_matches_the_default(n, C, tokens, add_dx):
-    """Kernel 2 with the group's lanes side by side (wide) against the default, lane by lane: the same
-    products, so dx equal and dphi equal up to the order of float32 sums, on NaN-poisoned outputs."""
-    from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
-
-    x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
-    x = x.to(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    dy = torch.randn((tokens, C), device="cuda", generator=g).to(torch.bfloat16)
-    dx_post = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
-    dsplit = torch.randn((tokens, 3, 2 * gemm_depth(n)), device="cuda", generator=g).to(torch.bfloat16)
-    coef = torch.randn((tokens, coef_width(n)), device="cuda", generator=g)
-    outs = {}
-    for wide in (False, True):
-        _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, add_dx=add_dx, lane_splits=2, wide=wide)
-        dx = torch.full_like(x, float("nan"))
-        partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
-        lanes(x, dy, dsplit, coef, phi.float(), *([dx_post] if add_dx else []), dx, partial)
-        outs[wide] = (dx, dphi_from_partial(partial, n))
-    assert _relmax(outs[True][0], outs[False][0]) < 1e-2  # bf16 dx: at most a rounding apart
-    assert _relmax(outs[True][1], outs[False][1]) < 1e-5
 
 
 @needs_cuda

@@ -344,7 +344,7 @@ def gemm_depth(n: int) -> int:
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                               dx_products: int = 3, threads: int = 128, wide: bool = False):
+                               dx_products: int = 3, threads: int = 128):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -354,9 +354,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     CUDA tuning: lane_group lanes per CTA (default lane_tiling(n), which also picks block_c), token tiles of
     block_tokens, stages > 1 pipelines the token loop, dx_products 3 (dmix and phi both split into bf16
     hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx);
-    wide puts the group's lanes side by side (x, dx_post and phi tiles of lane_group x block_c columns), so
-    each token tile runs one GEMM per product for all of them and waits for the tensor cores three times, not
-    three times per lane.
     With add_dx each lane's dx_post tile comes into shared memory with the token loop's other operands, so the
     pipeline fetches it ahead (read from global memory where it is added instead, the 4C cost 0.40 ms at
     16384 x 4096 on the H200; staged, 0.22 ms, 2026-11-30)."""
@@ -423,9 +420,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
     group = list(range(LG))
 
-    if wide and BC % 64:
-        raise ValueError(f"pre backward (lanes): wide lays the lanes' tiles side by side in 64-column blocks of "
-                         f"shared memory, so block_c must be a multiple of 64, got {BC}")
     CP = coef_width(n)
     smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx)
     if smem > SMEM_LIMIT:
@@ -492,66 +486,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 for k, c in T.Parallel(K2, BC):
                     if c0 + c < C:
                         dphi_partial[s, k, j * C + c0 + c] = acc_phi[jj][k, c]
-
-    W = LG * BC  # wide: the group's lanes side by side, as one operand
-
-    @T.macro
-    def body_wide(x, dy, dsplit, coef, phi, dx_post, dx, dphi_partial):
-        with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
-            phi_w = T.alloc_shared((K2, W), "bfloat16")
-            a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
-            a_l0 = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_lo | 0]
-            a_hl = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_lo]
-            xs_w = T.alloc_shared((BT, W), dtype)
-            dys = T.alloc_shared((BT, BC), dtype)
-            coef_s = T.alloc_shared((BT, CP), "float32")
-            dps_w = T.alloc_shared((BT, W), dtype) if dx_post is not None else None
-            acc = T.alloc_fragment((BT, W), "float32")
-            acc_phi = T.alloc_fragment((K2, W), "float32")
-            if dps_w is not None:  # lane by lane, so that each lane's tile is one bulk copy
-                T.annotate_layout({dps_w: lambda i, cw: [cw // BC, i, cw % BC]})
-            c0 = bc * BC
-            tiles = T.ceildiv(T.ceildiv(NT, BT), S)
-            for k, cw in T.Parallel(K2, W):
-                q = k % KH
-                col = c0 + cw % BC
-                v = T.if_then_else((q < M) & (col < C), phi[q % M, (lg * LG + cw // BC) * C + T.min(col, C - 1)],
-                                   T.float32(0))
-                hi = T.cast(v, "bfloat16")
-                phi_w[k, cw] = T.if_then_else(k < KH, hi, T.cast(v - T.cast(hi, "float32"), "bfloat16"))
-            T.clear(acc_phi)
-            for tb in T.Pipelined(tiles, num_stages=stages):
-                t0 = (s * tiles + tb) * BT
-                T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
-                if dx_products == 3:
-                    T.copy(dsplit[t0 : t0 + BT, 1, 0:K2], a_l0)
-                T.copy(dsplit[t0 : t0 + BT, 2, 0:K2], a_hl)
-                T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
-                for jj in group:
-                    T.copy(x[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], xs_w[0:BT, jj * BC : (jj + 1) * BC])
-                    if dps_w is not None:
-                        T.copy(dx_post[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC],
-                               dps_w[0:BT, jj * BC : (jj + 1) * BC])
-                T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
-                T.clear(acc)
-                T.gemm(a_dx, phi_w, acc)
-                if dx_products == 3:
-                    T.gemm(a_l0, phi_w, acc)
-                for tt, cw in T.Parallel(BT, W):
-                    c = cw % BC
-                    v = (acc[tt, cw] + coef_s[tt, lg * LG + cw // BC] * T.cast(dys[tt, c], "float32")
-                         + coef_s[tt, n] * T.cast(xs_w[tt, cw], "float32"))
-                    if dps_w is not None:
-                        v = v + T.cast(dps_w[tt, cw], "float32")
-                    if (t0 + tt < NT) & (c0 + c < C):
-                        dx[t0 + tt, lg * LG + cw // BC, c0 + c] = T.cast(v, dtype)
-                T.gemm(a_hl, xs_w, acc_phi, transpose_A=True)
-            for k, cw in T.Parallel(K2, W):
-                if c0 + cw % BC < C:
-                    dphi_partial[s, k, (lg * LG + cw // BC) * C + c0 + cw % BC] = acc_phi[k, cw]
-
-    if wide:
-        body = body_wide
 
     if add_dx:
 
@@ -632,7 +566,7 @@ def dphi_from_partial(partial, n: int):
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                         dx_products: int = 3, threads: int = 128, wide: bool = False, phases: str = "fused"):
+                         dx_products: int = 3, threads: int = 128, phases: str = "fused"):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -654,6 +588,6 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
-                                   "threads": threads, "wide": wide}
+                                   "threads": threads}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
     return coefficients, lanes
