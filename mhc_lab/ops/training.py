@@ -440,11 +440,12 @@ def _(x, link, f, post, res, backend, phi_next=None):
                                             dtype=coefficient_dtype(x))
 
 
-# Chained sites on CUDA pass their tests on the H200 (n = 1, 2, 4, 8), but they are not faster there yet: the
-# fused post + next projection takes about what the post and the projection pass take apart (16384 x 4096:
-# 0.52 ms against 0.31 + 0.19; site forward + backward 2.44 ms chained, 2.41 linked; block +12.0% against
-# +11.6%, 2026-11-30, docs/kernel-notes.md). So on CUDA each pre projects for itself unless this is switched
-# on (or within chaining_on_cuda(True)); on the CPU sites always chain.
+# Chained sites on CUDA pass their tests on the H200 (n = 1, 2, 4, 8), but were not faster there as timed: the
+# fused post + next projection took about what the post and the projection pass take apart (16384 x 4096:
+# 0.52 ms against 0.31 + 0.19; site forward + backward 2.44 ms chained, 2.41 linked; block +10.3% against
+# +9.1%, 2026-11-30). Its stores now leave from the registers (0.46 ms alone), not yet timed as a whole site
+# (docs/kernel-notes.md, section 2). So on CUDA each pre projects for itself unless this is switched on (or
+# within chaining_on_cuda(True)); on the CPU sites always chain.
 CHAIN_ON_CUDA = False
 
 
