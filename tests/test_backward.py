@@ -652,3 +652,15 @@ def test_warm_commands_are_valid_benchmark_command_lines():
     assert {line[0] for line in lines} == {"training", "forward"} and len(lines) == 4
     for line in lines:
         assert importlib.import_module(SUITES[line[0]]).main(line[1:]) == 1, line
+
+
+def test_warm_runs_each_selected_test_in_a_process_of_its_own():
+    """bench warm --tests: one pytest command line per selected test (here the CUDA tests of the fused post +
+    projection, collected whether or not this machine would skip them)."""
+    from mhc_lab.course.bench_warm import selected_test_commands
+
+    lines = selected_test_commands("cuda_post_project")
+    ids = [line[-1] for line in lines]
+    assert len(ids) == len(set(ids)) >= 6
+    assert all(i.startswith("tests/test_kernels_forward.py::test_cuda_post_project_matches_float64[") for i in ids)
+    assert all(line[:2] == ["-m", "pytest"] and "addopts=" in line for line in lines)

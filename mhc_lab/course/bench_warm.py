@@ -2,6 +2,7 @@
 
     python -m mhc_lab.bench warm                       # the three issue widths, every benchmark that uses them
     python -m mhc_lab.bench warm --widths 4096 --jobs 8
+    python -m mhc_lab.bench warm --tests "cuda and post_project"   # and those CUDA tests, one process each
 
 TileLang compiles each kernel on first use (10-15 s each with nvcc) and keeps it in its on-disk cache. A
 benchmark run compiles its kernels one after another; this command runs every benchmark of the given widths
@@ -10,6 +11,11 @@ token count) are compiled side by side on the machine's cores and the timed runs
 the cache. Done this way by hand on the course's H200 machine (16 cores, 2026-11-30), the compile phase took
 about 80 s instead of about 5 minutes. Each process's output goes to --logs; the command prints one line per
 process and fails if one did.
+
+--tests EXPR adds the tests that pytest's -k EXPR selects, each in a process of its own in the same pool: a
+CUDA test compiles the kernels of its own shapes, so a pytest process that runs them one after another spends
+minutes compiling (one such process took 522 s on the H200 machine, 2026-11-30; the same tests side by side
+took under 2 minutes).
 """
 
 from __future__ import annotations
@@ -36,11 +42,21 @@ def commands(widths=WIDTHS) -> list[list[str]]:
     return out
 
 
+def selected_test_commands(expression: str, paths=("tests",)) -> list[list[str]]:
+    """One pytest command line per test that ``-k expression`` selects under paths (collected here, whether
+    or not it would be skipped)."""
+    found = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
+                            "no:cacheprovider", "-k", expression, *paths], capture_output=True, text=True)
+    ids = [line.strip() for line in found.stdout.splitlines() if "::" in line]
+    return [["-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", test_id] for test_id in ids]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench warm", description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default=",".join(str(c) for c in WIDTHS), help="comma-separated widths C")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes at once")
     parser.add_argument("--logs", default="warm-logs", help="folder for each process's output")
+    parser.add_argument("--tests", default="", help="pytest -k expression: also run these tests, one process each")
     args = parser.parse_args(argv)
     import torch
 
@@ -48,26 +64,29 @@ def main(argv=None) -> int:
         print("bench warm compiles CUDA kernels by running the benchmarks: it needs a CUDA GPU")
         return 1
     os.makedirs(args.logs, exist_ok=True)
-    todo = commands(int(c) for c in args.widths.split(",") if c)
+    todo = [(line[0], ["-m", "mhc_lab.bench", *line], " ".join(line))
+            for line in commands(int(c) for c in args.widths.split(",") if c)]
+    if args.tests:
+        todo += [("test", line, line[-1]) for line in selected_test_commands(args.tests)]
     running, status, t0 = [], 0, time.time()
 
     def finish(job):
         nonlocal status
-        proc, line, log = job
+        proc, shown, log = job
         code = proc.wait()
         log.close()
         status |= int(code != 0)
-        print(f"{'ok' if code == 0 else f'FAILED ({code})'}: {' '.join(line)}  ({time.time() - t0:.0f} s)")
+        print(f"{'ok' if code == 0 else f'FAILED ({code})'}: {shown}  ({time.time() - t0:.0f} s)")
 
-    for k, line in enumerate(todo):
+    for k, (label, line, shown) in enumerate(todo):
         while len(running) >= max(1, args.jobs):
             finish(running.pop(0))
-        log = open(os.path.join(args.logs, f"{k:02d}-{line[0]}.log"), "w")
-        proc = subprocess.Popen([sys.executable, "-m", "mhc_lab.bench", *line], stdout=log, stderr=subprocess.STDOUT)
-        running.append((proc, line, log))
+        log = open(os.path.join(args.logs, f"{k:02d}-{label}.log"), "w")
+        proc = subprocess.Popen([sys.executable, *line], stdout=log, stderr=subprocess.STDOUT)
+        running.append((proc, shown, log))
     for job in running:
         finish(job)
-    print(f"compiled in {time.time() - t0:.0f} s")
+    print(f"done in {time.time() - t0:.0f} s")
     return status
 
 
