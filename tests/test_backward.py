@@ -224,12 +224,27 @@ def test_lane_kernel_stages_the_posts_dx_for_sm90():
     assert linked.count("tma_load") == plain.count("tma_load") + lane_tiling(4)[0]
 
 
+@needs_nvcc
+def test_lane_kernel_with_one_operand_builds_for_sm90():
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+
+    three, one = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", splits=2,
+                                                             one_operand=o), "sm_90").get_kernel_source()
+                  for o in (False, True))
+    # per token tile one dmix operand arrives instead of three; the GEMMs stay three per lane
+    assert one.count("tma_load") == three.count("tma_load") - 2
+    assert one.count("wgmma_ss") == three.count("wgmma_ss")
+
+
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
     with pytest.raises(ValueError, match=r"4 lanes x 64 columns x 64 tokens in 2 stages with dx_post need 233472 "
                                          r"bytes of shared memory, more than the 232448"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4)
+    with pytest.raises(ValueError, match="one_operand computes the three dx products, got dx_products = 1"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", one_operand=True, dx_products=1)
 
 
 @pytest.mark.parametrize("n,C,sms", [(4, 2560, 132), (4, 4096, 132), (4, 7168, 132), (8, 4096, 132), (2, 40, 132),
@@ -561,6 +576,39 @@ def test_cuda_split_coefficient_kernels_match_the_fused_one(n, C, tokens):
         outs[phases] = got + [dsplit, coef]
     for name, a, b in zip(("dpre", "dlogit", "dmix", "extra", "dsplit", "coef"), outs["split"], outs["fused"]):
         assert _relmax(a, b) < (1e-2 if name == "dsplit" else 1e-4), name
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
+@pytest.mark.parametrize("add_dx", [False, True])
+def test_cuda_lane_kernel_with_one_operand_matches_the_default(n, C, tokens, add_dx):
+    """Kernel 2 reading only dsplit's [dmix_hi | dmix_lo] row against the default on NaN-poisoned outputs:
+    the same three products summed in another grouping, so dx within a bf16 rounding and dphi equal."""
+    from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
+
+    x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
+    x = x.to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    KH = gemm_depth(n)
+    dmix = torch.randn((tokens, KH), device="cuda", generator=g)
+    dmix[:, n * n + 2 * n:] = 0  # the padding past the n^2 + 2n mixes, as kernel 1 writes it
+    hi = dmix.to(torch.bfloat16)
+    lo = (dmix - hi.float()).to(torch.bfloat16)
+    dsplit = torch.stack([torch.cat([hi, hi], -1), torch.cat([lo, torch.zeros_like(lo)], -1),
+                          torch.cat([hi, lo], -1)], 1)
+    dy = torch.randn((tokens, C), device="cuda", generator=g).to(torch.bfloat16)
+    dx_post = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
+    coef = torch.randn((tokens, coef_width(n)), device="cuda", generator=g)
+    outs = {}
+    for one in (False, True):
+        _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, add_dx=add_dx, lane_splits=2,
+                                        one_operand=one)
+        dx = torch.full_like(x, float("nan"))
+        partial = torch.full((2, 2 * KH, n * C), float("nan"), device="cuda")
+        lanes(x, dy, dsplit, coef, phi.float(), *([dx_post] if add_dx else []), dx, partial)
+        outs[one] = (dx, dphi_from_partial(partial, n))
+    assert _relmax(outs[True][0], outs[False][0]) < 1e-2
+    assert torch.equal(outs[True][1], outs[False][1])
 
 
 @needs_cuda
