@@ -418,6 +418,24 @@ def test_cuda_chained_sites_match_unchained_sites(monkeypatch, n, C):
         assert _chained_against_unchained(monkeypatch, "kernels", torch.bfloat16, n, C, device="cuda") < 2e-2
 
 
+def test_chained_partials_have_their_own_split_count():
+    """On CUDA a chained post projects into CHAIN_SPLITS partial sums and the pre's own projection pass into
+    SPLIT_DEFAULTS['splits']; the pre takes partial_in with the chained count. Elsewhere both are 1."""
+    from types import SimpleNamespace
+
+    from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
+    from mhc_lab.ops import training
+
+    cuda_lanes = SimpleNamespace(device=torch.device("cuda", 0), shape=(3, 4, 64))
+    assert training.partial_splits("kernels", cuda_lanes, chained=True) == training.CHAIN_SPLITS
+    assert training.partial_splits("kernels", cuda_lanes) == SPLIT_DEFAULTS["splits"]
+    cpu = torch.zeros(3, 4, 8)
+    assert training.partial_splits("kernels", cpu, chained=True) == training.partial_splits("kernels", cpu) == 1
+    with pytest.raises(InputError, match=r"partial_in: expected shape \(1, 3, 25\)"):
+        training.pre_forward(cpu, torch.zeros(24, 32), torch.zeros(24), torch.ones(3), "kernels",
+                             torch.zeros(4, 3, 25))
+
+
 def test_chained_sites_on_cuda_follow_the_switch():
     """On CUDA a post projects for the next pre only when CHAIN_ON_CUDA is on (or within chaining_on_cuda) and
     C is a multiple of 8; elsewhere always."""

@@ -207,14 +207,16 @@ def _stream_site(x, phi, bias, alpha, bench, ref_out, tuning=None) -> tuple[dict
     lanes (kernels/post_project.py), so the pre runs only its apply pass, and this site's post projects the
     lanes it writes for the next site (here with the same phi: the cost does not depend on its values).
     Moves 14 C elements per token at n = 4, the least a site must. tuning: post_project_program's keywords
-    (its "splits" also sets the apply pass's), and "apply_phases" of the apply pass (split_kernels)."""
+    (its "splits", by default what the library chains with, mhc_lab.ops.training.CHAIN_SPLITS, also sets the
+    apply pass's), and "apply_phases" of the apply pass (split_kernels)."""
     from mhc_lab.kernels._coefficients import mixes_width
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
     from mhc_lab.kernels.pre_split import phi_rows, split_kernels
+    from mhc_lab.ops.training import CHAIN_SPLITS
 
     tokens, n, C = x.shape
-    tuning = {"splits": SPLIT_DEFAULTS["splits"], **(tuning or {})}
+    tuning = {"splits": CHAIN_SPLITS, **(tuning or {})}
     S = tuning["splits"]
     apply_phases = tuning.pop("apply_phases", SPLIT_DEFAULTS["apply_phases"])
     phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda",

@@ -60,18 +60,23 @@ def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> di
 
 def _site_impls(skip):
     from mhc_lab.ops.training import chaining_on_cuda, mhc_post as ours_post, mhc_pre as ours_pre, mhc_site
-    from mhc_lab.ops.training import mhc_site_chained
+    from mhc_lab.ops.training import mhc_site_chained, partial_splits
 
     made = {}
 
     def chain_partial(x, phi, bias, alpha):
-        """x's projection with phi as a previous post hands it over, made once per input (outside the timing)."""
+        """x's projection with phi as a previous post hands it over (partial_splits(chained=True) partial sums),
+        made once per input (outside the timing): the pre's own projection, its splits summed into the first."""
         key = (x.data_ptr(), phi.data_ptr(), x.shape)
         if key not in made:
             made.clear()
             with torch.no_grad():
-                made[key] = torch.ops.mhc_lab.pre_forward(x.detach(), phi.detach(), bias.detach(), alpha.detach(),
-                                                          "kernels")[4]
+                own = torch.ops.mhc_lab.pre_forward(x.detach(), phi.detach(), bias.detach(), alpha.detach(),
+                                                    "kernels")[4]
+                chained = torch.zeros((partial_splits("kernels", x, chained=True), *own.shape[1:]),
+                                      dtype=own.dtype, device=own.device)
+                chained[0] = own.sum(0)
+                made[key] = chained
         return made[key]
 
     def ours(x, phi, bias, alpha):

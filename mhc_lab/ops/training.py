@@ -166,7 +166,8 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
         if tokens:
             with torch.cuda.device(x.device):
                 run_pre_cuda(x.contiguous(), phi32, bias32, alpha32, y, pre, post, res, plan="split",
-                             partial=partial_in.contiguous() if projected else partial, projected=projected)
+                             partial=partial_in.contiguous() if projected else partial, projected=projected,
+                             **({"splits": partial_in.shape[0]} if projected else {}))
         return y, post, res, pre, _no_partial(x) if projected else partial, link
     from mhc_lab.kernels.pre import pre_kernel_c, projection_kernel_c
 
@@ -190,18 +191,25 @@ def _no_partial(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((0,), dtype=coefficient_dtype(x), device=x.device)
 
 
-def partial_splits(backend: str, x: torch.Tensor) -> int:
-    """The first axis of the partial sums a backend's pre projects into (and takes as partial_in)."""
+# Column splits of the fused post + next projection on CUDA: the next pre's apply pass sums that many partials.
+# One split: 0.434 ms at 16384 x 4096 on the H200 against 0.444 with 2 and 0.464 with 4 (2026-11-30,
+# variants_h200.json); the pre's own projection pass keeps its 4 (SPLIT_DEFAULTS).
+CHAIN_SPLITS = 1
+
+
+def partial_splits(backend: str, x: torch.Tensor, *, chained: bool = False) -> int:
+    """The first axis of the partial sums a backend's pre projects into, or (chained) that a post projects
+    into for the next pre (post_forward_linked's partial_next, pre_forward's partial_in)."""
     if backend == "kernels" and x.device.type == "cuda":
         from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
 
-        return SPLIT_DEFAULTS["splits"]
+        return CHAIN_SPLITS if chained else SPLIT_DEFAULTS["splits"]
     return 1
 
 
 def _check_partial(partial: torch.Tensor, x: torch.Tensor, backend: str, op: str) -> None:
     tokens, n, _ = x.shape
-    shape = (partial_splits(backend, x), tokens, mixes_width(n) + 1)
+    shape = (partial_splits(backend, x, chained=True), tokens, mixes_width(n) + 1)
     if tuple(partial.shape) != shape or partial.dtype != coefficient_dtype(x) or partial.device != x.device:
         raise InputError(f"{op}: partial_in: expected shape {shape}, dtype {coefficient_dtype(x)} on {x.device} "
                          f"(backend {backend!r}), got {_describe(partial)}")
@@ -404,7 +412,7 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
     if x.device.type == "cuda":
         from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
 
-        splits = partial_splits(backend, x)
+        splits = partial_splits(backend, x, chained=True)
         out = torch.empty_like(x)
         partial = torch.empty((splits, tokens, m + 1), dtype=torch.float32, device=x.device)
         if tokens:
@@ -436,8 +444,8 @@ def _(x, link, f, post, res, backend, phi_next=None):
     if phi_next is None:
         return torch.empty_like(x), _no_partial(x)
     tokens, n, _ = x.shape
-    return torch.empty_like(x), x.new_empty((partial_splits(backend, x), tokens, mixes_width(n) + 1),
-                                            dtype=coefficient_dtype(x))
+    splits = partial_splits(backend, x, chained=True)
+    return torch.empty_like(x), x.new_empty((splits, tokens, mixes_width(n) + 1), dtype=coefficient_dtype(x))
 
 
 # Chained sites on CUDA pass their tests on the H200 (n = 1, 2, 4, 8), but were not faster there as timed: the
