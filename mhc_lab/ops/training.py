@@ -193,7 +193,7 @@ def _no_partial(x: torch.Tensor) -> torch.Tensor:
 
 # Column splits of the fused post + next projection on CUDA: the next pre's apply pass sums that many partials.
 # One split: 0.434 ms at 16384 x 4096 on the H200 against 0.444 with 2 and 0.464 with 4 (2026-11-30,
-# variants_h200.json); the pre's own projection pass keeps its 4 (SPLIT_DEFAULTS).
+# kernel_variants_h200.json); the pre's own projection pass keeps its 4 (SPLIT_DEFAULTS).
 CHAIN_SPLITS = 1
 
 
