@@ -42,8 +42,9 @@ from mhc_lab.reference.validate import (
 
 BACKENDS = ("auto", "reference", "kernels")
 KERNEL_MAX_LANES = 8
-# kernel 1 of the pre backward on CUDA: "fused" (timed on the H200) or "split" (a streaming dH_pre kernel, then
-# one thread per token; built and checked, to be timed against it)
+# kernel 1 of the pre backward on CUDA: "fused", or "split" (a streaming dH_pre kernel, then one thread per
+# token): 0.260 / 0.204 / 0.221 ms against 0.275 / 0.223 / 0.202 fused at C = 4096 / 2560 / 7168 on the H200
+# (2026-11-30, training_h200.json sweeps), a small gain at two widths and a loss at the third
 COEFFICIENT_PHASES = "fused"
 
 
@@ -160,14 +161,14 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
     pre = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
     phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
     if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS, run_pre_cuda
+        from mhc_lab.kernels.pre_cuda import run_pre_cuda
 
-        partial = torch.empty((SPLIT_DEFAULTS["splits"], tokens, m + 1), dtype=torch.float32, device=x.device)
+        partial = partial_in.contiguous() if projected else torch.empty(
+            (partial_splits(backend, x), tokens, m + 1), dtype=torch.float32, device=x.device)
         if tokens:
             with torch.cuda.device(x.device):
                 run_pre_cuda(x.contiguous(), phi32, bias32, alpha32, y, pre, post, res, plan="split",
-                             partial=partial_in.contiguous() if projected else partial, projected=projected,
-                             **({"splits": partial_in.shape[0]} if projected else {}))
+                             partial=partial, projected=projected, splits=partial.shape[0])
         return y, post, res, pre, _no_partial(x) if projected else partial, link
     from mhc_lab.kernels.pre import pre_kernel_c, projection_kernel_c
 
