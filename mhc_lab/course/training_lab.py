@@ -531,6 +531,16 @@ def site_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _block_overhead(row: dict, key: str):
+    """Percent over the plain residual of one block row's implementation: as recorded, else from the times
+    (None for the residual itself or when a time is missing)."""
+    times = row.get("times_ms") or {}
+    o = (row.get("overhead_pct") or {}).get(key)
+    if o is None and key != "residual" and isinstance(times.get(key), (int, float)) and times.get("residual"):
+        o = (times[key] / times["residual"] - 1) * 100
+    return o
+
+
 def block_table(results: dict) -> str:
     """A transformer block, forward + backward: time, overhead over the plain residual, peak memory."""
     rows = (results or {}).get("block") or []
@@ -538,14 +548,12 @@ def block_table(results: dict) -> str:
         return "(no block measurements)"
     lines = []
     for r in rows:
-        times, peak, over = r.get("times_ms") or {}, r.get("peak_gib") or {}, r.get("overhead_pct") or {}
+        times, peak = r.get("times_ms") or {}, r.get("peak_gib") or {}
         lines.append(f"C = {r.get('C', '?')}, {r.get('tokens', '?')} tokens:")
         for key, label in BLOCK_IMPLEMENTATIONS.items():
             if key not in times and key not in peak:
                 continue
-            o = over.get(key)
-            if o is None and key != "residual" and isinstance(times.get(key), (int, float)) and times.get("residual"):
-                o = (times[key] / times["residual"] - 1) * 100
+            o = _block_overhead(r, key)
             o_text = f"{o:+.1f}%" if isinstance(o, (int, float)) else ""
             p_text = f"{peak[key]:.2f} GiB" if isinstance(peak.get(key), (int, float)) else "-"
             lines.append(f"  {label:<26}{_ms(times.get(key), ' ms'):>12}  {o_text:>8}   peak {p_text}")
@@ -558,13 +566,10 @@ def block_figure(results: dict, label: str):
 
     rows = (results or {}).get("block") or []
     fig = go.Figure()
-    for key in ("mhc_ours", "mhc_ours_chained", "mhc_ours_recompute", "mhc_tilekernels", "mhc_compiled"):
+    for key in (k for k in BLOCK_IMPLEMENTATIONS if k != "residual"):
         xs, ys = [], []
         for r in rows:
-            times, over = r.get("times_ms") or {}, r.get("overhead_pct") or {}
-            o = over.get(key)
-            if o is None and isinstance(times.get(key), (int, float)) and times.get("residual"):
-                o = (times[key] / times["residual"] - 1) * 100
+            o = _block_overhead(r, key)
             if isinstance(o, (int, float)):
                 xs.append(f"C = {r.get('C')}, {r.get('tokens')} tokens")
                 ys.append(o)
