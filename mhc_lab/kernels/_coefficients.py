@@ -18,6 +18,9 @@ float32 tolerance).
 import tilelang.language as T
 
 
+TOKEN_THREADS = 128  # threads (= tokens) per CTA of the kernels that run one token's coefficients per thread
+
+
 def mixes_width(n: int) -> int:
     return n * n + 2 * n
 

@@ -37,6 +37,7 @@ import functools
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import (
+    TOKEN_THREADS,
     coefficient_backward_macro,
     mixes_width,
     partial_sum_macro,
@@ -265,9 +266,6 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                 lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef)
 
     return coefficients_backward_tokens
-
-
-TOKEN_THREADS = 128  # threads (= tokens) per CTA of the split kernel 1's per-token kernel
 
 
 def dpre_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):

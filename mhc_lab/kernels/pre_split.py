@@ -20,9 +20,10 @@
 # projection pass takes 0.196 ms (2.7 TB/s, 64% of the copy bandwidth), the apply pass 0.198 ms (3.4 TB/s,
 # 79%), the phi split 5 us. The projection pass reads x in TMA boxes whose rows are 128 bytes long (the 128-byte
 # swizzle's limit); longer-row tilings (128x256, 64x256, 128x128 tokens x columns) timed the same.
-# The apply pass also exists as two kernels (apply_phases="split": coefficients with one thread per token, then
-# a post-shaped lane mix), built and not yet timed. In a stack of sites the projection pass is not needed at
-# all: the previous site's post projects the lanes it writes (kernels/post_project.py).
+# The apply pass runs as two kernels by default (apply_phases="split": coefficients with one thread per token,
+# then a post-shaped lane mix; SPLIT_DEFAULTS in pre_cuda.py has the timings). In a stack of sites the
+# projection pass is not needed at all: the previous site's post projects the lanes it writes
+# (kernels/post_project.py).
 """pre, split plan (CUDA): a phi split kernel, a projection pass and an apply pass."""
 
 
@@ -32,6 +33,7 @@ import tilelang
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import (
+    TOKEN_THREADS,
     coefficient_macro,
     mixes_width,
     partial_sum_macro,
@@ -195,9 +197,6 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
                 T.copy(yf, y[t0 : t0 + BT, c0 : c0 + BC])
 
     return apply
-
-
-TOKEN_THREADS = 128  # threads (= tokens) per CTA of the per-token coefficient kernel
 
 
 def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 4, iterations: int = 20):
