@@ -155,3 +155,6 @@ def test_partial_splits_are_the_kernels():
     from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
 
     assert bytes_model.PARTIAL_SPLITS == SPLIT_DEFAULTS["splits"]
+    from mhc_lab.ops.training import CHAIN_SPLITS
+
+    assert bytes_model.CHAIN_PARTIAL_SPLITS == CHAIN_SPLITS

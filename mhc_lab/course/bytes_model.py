@@ -52,8 +52,10 @@ LABELS = {
     "ours_linked": "ours: mhc_site (linked)",
     "ours_chained": "ours: run_sites (linked and chained)",
 }
-# token splits of the pre's projection partial sums (mhc_lab.kernels.pre_cuda.SPLIT_DEFAULTS["splits"])
+# token splits of the pre's projection partial sums (mhc_lab.kernels.pre_cuda.SPLIT_DEFAULTS["splits"]), and of
+# those a chained post projects for the next pre (mhc_lab.ops.training.CHAIN_SPLITS)
 PARTIAL_SPLITS = 4
+CHAIN_PARTIAL_SPLITS = 1
 SINKHORN_ITERATIONS = 20
 
 
@@ -217,7 +219,8 @@ def _backward_rows(method: str, n: int, iterations: int) -> list[Row]:
 def _implementation_rows(method: str, n: int, direction: str, iterations: int) -> list[Row]:
     """What our kernels move per token (counted from their code; the coefficient parts roughly)."""
     k = n * n + 2 * n
-    partials = PARTIAL_SPLITS * (k + 1)  # float32 partial sums of the projection and the squared norm
+    # float32 partial sums of the projection and the squared norm, as the pre reads them
+    partials = (CHAIN_PARTIAL_SPLITS if method == "ours_chained" else PARTIAL_SPLITS) * (k + 1)
     coefficients = _coefficient_flops("mhc", n, iterations)
     post_flops = Elements(n + 2 * n * n + n)
     apply = Row("pre apply: coefficients, H_pre x (pre_split.py)", Elements(n, partials),
