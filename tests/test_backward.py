@@ -221,20 +221,7 @@ def test_lane_kernel_stages_the_posts_dx_for_sm90():
     plain, linked = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=a, splits=2),
                                      "sm_90").get_kernel_source() for a in (False, True))
     # each lane's dx_post tile arrives by a bulk copy into shared memory, with the other operands
-    assert linked.count("tma_load") == plain.count("tma_load") + lane_tiling(4)[0]
-
-
-@needs_nvcc
-def test_lane_kernel_with_one_operand_builds_for_sm90():
-    from mhc_lab.kernels._target import compile_program
-    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
-
-    three, one = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", splits=2,
-                                                             one_operand=o), "sm_90").get_kernel_source()
-                  for o in (False, True))
-    # per token tile one dmix operand arrives instead of three; the GEMMs stay three per lane
-    assert one.count("tma_load") == three.count("tma_load") - 2
-    assert one.count("wgmma_ss") == three.count("wgmma_ss")
+    assert linked.count("tma_load") == plain.count("tma_load") + lane_tiling(4, True)[0]
 
 
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
@@ -242,25 +229,38 @@ def test_lane_kernel_refuses_tiles_beyond_shared_memory():
 
     with pytest.raises(ValueError, match=r"4 lanes x 64 columns x 64 tokens in 2 stages with dx_post need 233472 "
                                          r"bytes of shared memory, more than the 232448"):
-        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4)
-    with pytest.raises(ValueError, match="one_operand computes the three dx products, got dx_products = 1"):
-        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", one_operand=True, dx_products=1)
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4, block_c=64, stages=2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("add_dx", [False, True])
+def test_lane_kernel_takes_the_deepest_pipeline_that_fits(n, add_dx):
+    from mhc_lab.kernels._target import SMEM_LIMIT
+    from mhc_lab.kernels.pre_backward import lane_stages, lane_tiling, lanes_shared_bytes
+
+    lanes, columns = lane_tiling(n, add_dx)
+    stages = lane_stages(n, lanes, 64, columns, add_dx)
+    assert 1 <= stages <= (3 if add_dx else 2)
+    assert lanes_shared_bytes(n, lanes, 64, columns, stages, add_dx) <= SMEM_LIMIT
+    if stages < (3 if add_dx else 2):
+        assert lanes_shared_bytes(n, lanes, 64, columns, stages + 1, add_dx) > SMEM_LIMIT
 
 
 @pytest.mark.parametrize("n,C,sms", [(4, 2560, 132), (4, 4096, 132), (4, 7168, 132), (8, 4096, 132), (2, 40, 132),
                                      (4, 4096, 78), (1, 100000, 16)])
-def test_lane_splits_fill_the_waves_of_ctas(n, C, sms):
+@pytest.mark.parametrize("add_dx", [False, True])
+def test_lane_splits_fill_the_waves_of_ctas(n, C, sms, add_dx):
     # kernel 2 runs one CTA per SM: (column blocks x splits) CTAs in waves of `sms`; the policy takes the
     # fewest splits whose waves are at least 90% full, or else the fullest waves there are
     from mhc_lab.kernels.pre_backward import lane_splits_for, lane_tiling
 
-    lanes, columns = lane_tiling(n)
+    lanes, columns = lane_tiling(n, add_dx)
     blocks = -(-C // columns) * (n // lanes)
 
     def fullness(s):
         return blocks * s / (sms * -(-(blocks * s) // sms))
 
-    chosen = lane_splits_for(n, C, sms)
+    chosen = lane_splits_for(n, C, sms, add_dx=add_dx)
     assert 1 <= chosen <= 32
     best = max(fullness(s) for s in range(1, 33))
     if best >= 0.9:
@@ -598,39 +598,6 @@ def test_cuda_split_coefficient_kernels_match_the_fused_one(n, C, tokens):
 
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
-@pytest.mark.parametrize("add_dx", [False, True])
-def test_cuda_lane_kernel_with_one_operand_matches_the_default(n, C, tokens, add_dx):
-    """Kernel 2 reading only dsplit's [dmix_hi | dmix_lo] row against the default on NaN-poisoned outputs:
-    the same three products summed in another grouping, so dx within a bf16 rounding and dphi equal."""
-    from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
-
-    x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
-    x = x.to(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    KH = gemm_depth(n)
-    dmix = torch.randn((tokens, KH), device="cuda", generator=g)
-    dmix[:, n * n + 2 * n:] = 0  # the padding past the n^2 + 2n mixes, as kernel 1 writes it
-    hi = dmix.to(torch.bfloat16)
-    lo = (dmix - hi.float()).to(torch.bfloat16)
-    dsplit = torch.stack([torch.cat([hi, hi], -1), torch.cat([lo, torch.zeros_like(lo)], -1),
-                          torch.cat([hi, lo], -1)], 1)
-    dy = torch.randn((tokens, C), device="cuda", generator=g).to(torch.bfloat16)
-    dx_post = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
-    coef = torch.randn((tokens, coef_width(n)), device="cuda", generator=g)
-    outs = {}
-    for one in (False, True):
-        _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, add_dx=add_dx, lane_splits=2,
-                                        one_operand=one)
-        dx = torch.full_like(x, float("nan"))
-        partial = torch.full((2, 2 * KH, n * C), float("nan"), device="cuda")
-        lanes(x, dy, dsplit, coef, phi.float(), *([dx_post] if add_dx else []), dx, partial)
-        outs[one] = (dx, dphi_from_partial(partial, n))
-    assert _relmax(outs[True][0], outs[False][0]) < 1e-2
-    assert torch.equal(outs[True][1], outs[False][1])
-
-
-@needs_cuda
-@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
     x = x.to(torch.bfloat16)
@@ -664,7 +631,8 @@ def test_training_benchmark_times_every_op_it_names():
         return 1e-3
 
     times = _site_components(x, phi, bias, alpha, g, bench)
-    assert set(times) == {"fwd.pre", "fwd.post", "bwd.post", "bwd.pre", "bwd.add_dx", "bwd.pre_linked"}
+    assert set(times) == {"fwd.pre", "fwd.post", "bwd.post", "bwd.pre", "bwd.add_dx", "bwd.pre_linked",
+                          "fwd.pre_chained", "fwd.post_chained", "bwd.pre_chained"}
     assert len(calls) == len(times)
 
 

@@ -8,9 +8,10 @@ gradients of x, phi, bias and alpha for a random upstream gradient, timed as med
 runs) for ours (the fused kernels through mhc_lab.ops.training: mhc_pre then mhc_post, and mhc_site, which
 links them so that the lanes' two gradients are summed in the pre's backward pass, and the same site chained
 inside a stack: its pre takes x's projection from the previous post, its post projects for the next pre),
-DeepSeek's TileKernels
-(tile-kernels 1.0.0, its autograd path), torch.compile of the reference and the eager reference; every
-gradient is compared with the float32 reference on the same inputs.
+DeepSeek's TileKernels (tile-kernels 1.0.0, its autograd path), torch.compile of the reference and the eager
+reference; every gradient is compared with the float32 reference on the same inputs. Each is timed twice:
+launched op by op from Python (times_ms), and captured once as a CUDA graph and replayed (graph_ms), which
+is the GPU's time alone, without the host's per-op work.
 
 Block (pre-norm causal attention + 4C GELU MLP, bf16, 4 sequences x 4096 tokens): forward + backward of one
 block with a plain residual and with mHC around each of its two sub-layers (ours as linked sites, ours as
@@ -126,7 +127,7 @@ def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
     leaves = [t.detach().clone().requires_grad_() for t in (x, phi, bias, alpha)]
     impls, errors, reference = _site_impls(skip)
     out = {"tokens": tokens, "C": C, "n": N, "bytes": site_bytes_fwd_bwd(tokens, C), "times_ms": {},
-           "rel_err": {}, "errors": errors}
+           "graph_ms": {}, "rel_err": {}, "errors": errors}
     want = torch.autograd.grad(reference(*leaves), leaves, g)
     names = ("x", "phi", "bias", "alpha")
     for name, fn in impls.items():
@@ -138,23 +139,63 @@ def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
             out["rel_err"][name] = {k: _rel(a, b) for k, a, b in zip(names, got, want)}
             out["times_ms"][name] = bench(step) * 1e3
             errs = " ".join(f"{k} {v:.1e}" for k, v in out["rel_err"][name].items())
-            log(f"  site {tokens}x{C} {name:12s} {out['times_ms'][name]:8.3f} ms  rel err {errs}")
+            try:
+                replay = _graph_replay(step)
+                out["graph_ms"][name] = bench(replay) * 1e3
+                del replay
+                graphed = f"{out['graph_ms'][name]:8.3f} ms as a CUDA graph"
+            except Exception as e:  # noqa: BLE001 - eager timing stands; say why there is no graph timing
+                out["errors"][f"{name}.graph"] = repr(e)[:500]
+                graphed = f"no CUDA graph ({repr(e)[:120]})"
+            log(f"  site {tokens}x{C} {name:12s} {out['times_ms'][name]:8.3f} ms launched, {graphed}  rel err {errs}")
         except Exception as e:  # noqa: BLE001
             out["errors"][name] = repr(e)[:500]
             log(f"  site {tokens}x{C} {name:12s} FAILED {repr(e)[:300]}")
     for name in ("ours", "ours_linked", "ours_chained"):
-        if name in out["times_ms"] and "tilekernels" in out["times_ms"]:
-            out[f"{name}_vs_tilekernels"] = out["times_ms"][name] / out["times_ms"]["tilekernels"]
+        for key, suffix in (("times_ms", ""), ("graph_ms", "_graph")):
+            if name in out[key] and "tilekernels" in out[key]:
+                out[f"{name}_vs_tilekernels{suffix}"] = out[key][name] / out[key]["tilekernels"]
     out["times_ms"].update(_site_components(x, phi, bias, alpha, g, bench))
     return out
 
 
+def _graph_replay(step):
+    """step captured as a CUDA graph (after warm-up runs on a side stream): its replay, timed, is the GPU's time
+    for the step alone. Launched op by op, a site's forward + backward can take longer than its kernels run,
+    when the host's per-op work (Python, dispatch, allocation, launches) outlasts them: at 16384 x 2560 two
+    runs of the same code timed the linked site at 1.51 and 2.05 ms, while the sum of its ops timed alone
+    was 1.53 (H200, 2026-11-30)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
 def _site_components(x, phi, bias, alpha, g, bench) -> dict:
-    """Each of our kernels alone (forward ops and backward ops), for the byte accounting."""
+    """Each of our kernels alone (forward ops and backward ops), for the byte accounting; the *_chained ops are
+    those of a site inside a chain (its pre takes the previous post's partial sums, its post projects for the
+    next pre)."""
+    from mhc_lab.ops.training import chaining_on_cuda, partial_splits
+
     ops = torch.ops.mhc_lab
-    y, post, res, pre, partial, _ = ops.pre_forward(x, phi, bias, alpha, "kernels")
+    y, post, res, pre, partial, link = ops.pre_forward(x, phi, bias, alpha, "kernels")
     f = y
     dy, dpost, dres = torch.randn_like(y), torch.randn_like(post), torch.randn_like(res)
+    handed = torch.zeros((partial_splits("kernels", x, chained=True), *partial.shape[1:]), dtype=partial.dtype,
+                         device=partial.device)
+    handed[0] = partial.sum(0)  # the partial sums a previous post hands over
+
+    def post_project():
+        with chaining_on_cuda(True):
+            return ops.post_forward_linked(x, link, f, post, res, "kernels", phi)
+
     return {
         "fwd.pre": bench(lambda: ops.pre_forward(x, phi, bias, alpha, "kernels")) * 1e3,
         "fwd.post": bench(lambda: ops.post_forward(x, f, post, res, "kernels")) * 1e3,
@@ -165,6 +206,10 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
         # the linked site's pre backward: the post's dx (here g stands in for it) added to dx in the same pass
         "bwd.pre_linked": bench(lambda: ops.pre_backward(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres,
                                                          g, "kernels")) * 1e3,
+        "fwd.pre_chained": bench(lambda: ops.pre_forward(x, phi, bias, alpha, "kernels", handed)) * 1e3,
+        "fwd.post_chained": bench(post_project) * 1e3,
+        "bwd.pre_chained": bench(lambda: ops.pre_backward(x, phi, bias, alpha, pre, handed, res, dy, dpost, dres,
+                                                          g, "kernels")) * 1e3,
     }
 
 

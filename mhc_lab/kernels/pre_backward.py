@@ -341,20 +341,18 @@ def gemm_depth(n: int) -> int:
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
-                               block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                               dx_products: int = 3, threads: int = 128, one_operand: bool = False):
+                               block_c: int | None = None, lane_group: int | None = None,
+                               stages: int | None = None, dx_products: int = 3, threads: int = 128):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
     dx in the same pass, then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC] f32 on the C target
     (dphi itself); on CUDA [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it).
 
-    CUDA tuning: lane_group lanes per CTA (default lane_tiling(n), which also picks block_c), token tiles of
-    block_tokens, stages > 1 pipelines the token loop, dx_products 3 (dmix and phi both split into bf16
-    hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx);
-    one_operand reads only dsplit's [dmix_hi | dmix_lo] row (a third of its bytes, which every column block
-    re-reads from L2) and multiplies it with [phi_hi; phi_hi] and [phi_lo; 0]: the same three products,
-    with phi twice in shared memory instead of two more operand tiles per stage.
+    CUDA tuning: lane_group lanes per CTA (default lane_tiling(n, add_dx), which also picks block_c), token
+    tiles of block_tokens, stages > 1 pipelines the token loop (default lane_stages: the most that fit in
+    shared memory, up to 3 with add_dx and 2 without), dx_products 3 (dmix and phi both split into bf16
+    hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx).
     With add_dx each lane's dx_post tile comes into shared memory with the token loop's other operands, so the
     pipeline fetches it ahead (read from global memory where it is added instead, the 4C cost 0.40 ms at
     16384 x 4096 on the H200; staged, 0.22 ms, 2026-11-30)."""
@@ -415,17 +413,14 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
-    default_lanes, default_columns = lane_tiling(n)
+    default_lanes, default_columns = lane_tiling(n, add_dx)
     LG, BC = lane_group or default_lanes, block_c or default_columns
     if n % LG:
         raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
     group = list(range(LG))
-
-    if one_operand and dx_products != 3:
-        raise ValueError(f"pre backward (lanes): one_operand computes the three dx products, got dx_products = "
-                         f"{dx_products}")
+    stages = stages or lane_stages(n, LG, BT, BC, add_dx)
     CP = coef_width(n)
-    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, one_operand)
+    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx)
     if smem > SMEM_LIMIT:
         raise ValueError(f"pre backward (lanes): {LG} lanes x {BC} columns x {BT} tokens in {stages} stages "
                          f"{'with dx_post ' if add_dx else ''}need {smem} bytes of shared memory, more than the "
@@ -434,10 +429,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     @T.macro
     def body(x, dy, dsplit, coef, phi, dx_post, dx, dphi_partial):
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
-            phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]  # [phi_hi; phi_lo], or [phi_hi; phi_hi]
-            phi_l = [T.alloc_shared((K2, BC), "bfloat16") for _ in group] if one_operand else None  # [phi_lo; 0]
-            a_dx = None if one_operand else T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
-            a_l0 = None if one_operand else T.alloc_shared((BT, K2), "bfloat16")  # [dmix_lo | 0]
+            phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]  # [phi_hi; phi_lo]
+            a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
+            a_l0 = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_lo | 0]
             a_hl = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_lo]
             xs = [T.alloc_shared((BT, BC), dtype) for _ in group]
             dys = T.alloc_shared((BT, BC), dtype)
@@ -457,20 +451,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                        T.float32(0))
                     hi = T.cast(v, "bfloat16")
                     lo = T.cast(v - T.cast(hi, "float32"), "bfloat16")
-                    if one_operand:
-                        phi_s[jj][k, c] = hi
-                        phi_l[jj][k, c] = T.if_then_else(k < KH, lo, T.cast(0, "bfloat16"))
-                    else:
-                        phi_s[jj][k, c] = T.if_then_else(k < KH, hi, lo)
+                    phi_s[jj][k, c] = T.if_then_else(k < KH, hi, lo)
                 T.clear(acc_phi[jj])
             for tb in T.Pipelined(tiles, num_stages=stages):
                 t0 = (s * tiles + tb) * BT
                 # operands arrive by copies only (zero-filled past the last token), so the pipeline may
                 # prefetch the next tile while this one computes
-                if not one_operand:
-                    T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
-                    if dx_products == 3:
-                        T.copy(dsplit[t0 : t0 + BT, 1, 0:K2], a_l0)
+                T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
+                if dx_products == 3:
+                    T.copy(dsplit[t0 : t0 + BT, 1, 0:K2], a_l0)
                 T.copy(dsplit[t0 : t0 + BT, 2, 0:K2], a_hl)
                 T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
                 for jj in group:
@@ -481,13 +470,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 for jj in group:
                     j = lg * LG + jj
                     T.clear(acc)
-                    if one_operand:  # (hi + lo) phi_hi, then hi phi_lo
-                        T.gemm(a_hl, phi_s[jj], acc)
-                        T.gemm(a_hl, phi_l[jj], acc)
-                    else:  # hi (phi_hi + phi_lo), then lo phi_hi
-                        T.gemm(a_dx, phi_s[jj], acc)
-                        if dx_products == 3:
-                            T.gemm(a_l0, phi_s[jj], acc)
+                    T.gemm(a_dx, phi_s[jj], acc)  # hi (phi_hi + phi_lo), then lo phi_hi
+                    if dx_products == 3:
+                        T.gemm(a_l0, phi_s[jj], acc)
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
@@ -526,40 +511,47 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     return lanes_backward_cuda
 
 
-def lane_tiling(n: int) -> tuple[int, int]:
-    """(lanes per CTA, columns per CTA) of kernel 2 on CUDA: at most 2 lanes (a divisor of n), and the most
-    columns (64 or 32) whose dphi accumulators, lanes x 2 gemm_depth(n) x columns float32, stay within 128
-    registers per thread of a 128-thread CTA. At n = 4 two lanes of 64 columns beat four: 0.513 against
-    0.548 ms at 16384 x 4096, 0.379 against 0.400 at 16384 x 2560 (H200, 2026-11-30), and they leave the
-    shared memory to stage the linked site's dx_post."""
-    k2 = 2 * gemm_depth(n)
-    for lanes in (2, 1):
-        if n % lanes:
-            continue
-        for columns in (64, 32):
-            if lanes * k2 * columns <= 128 * 128:
-                return lanes, columns
-    return 1, 32
+def lane_tiling(n: int, add_dx: bool = False) -> tuple[int, int]:
+    """(lanes per CTA, columns per CTA) of kernel 2 on CUDA: 2 lanes (1 for odd n); with dx_post 32 columns,
+    without it the most columns (64 or 32) whose dphi accumulators, lanes x 2 gemm_depth(n) x columns float32,
+    stay within 128 registers per thread of a 128-thread CTA. On the H200 at n = 4 (2026-11-30):
+    - two lanes beat four: 0.513 against 0.548 ms at 16384 x 4096, 0.379 against 0.400 at 16384 x 2560, and
+      they leave the shared memory to stage the linked site's dx_post;
+    - with dx_post, 32 columns in 3 stages beat 64 in 2: 0.481 / 0.673 / 0.621 against 0.514 / 0.723 / 0.668
+      ms at C = 2560 / 4096 / 7168 (more CTAs, a deeper pipeline in the same shared memory);
+    - without it they lose: 0.413 / 0.562 / 0.519 against 0.376 / 0.513 / 0.493."""
+    lanes = 2 if n % 2 == 0 else 1
+    if add_dx or lanes * 2 * gemm_depth(n) * 64 > 128 * 128:
+        return lanes, 32
+    return lanes, 64
 
 
-def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stages: int, add_dx: bool,
-                       one_operand: bool = False) -> int:
-    """Shared memory of kernel 2 on CUDA, at most: phi's columns (twice with one_operand); per stage the dmix
-    operands (three, or one), the coefficients, the lanes' x tiles, the dy tile and (add_dx) the lanes'
-    dx_post tiles."""
+def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool) -> int:
+    """Kernel 2's pipeline depth on CUDA: the most stages whose tiles fit in shared memory, up to 3 with dx_post
+    and 2 without (lane_tiling's measurements; n = 8 with dx_post fits 2)."""
+    for stages in range(3 if add_dx else 2, 1, -1):
+        if lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx) <= SMEM_LIMIT:
+            return stages
+    return 1
+
+
+def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stages: int, add_dx: bool) -> int:
+    """Shared memory of kernel 2 on CUDA, at most: phi's columns; per stage the three dmix operands, the
+    coefficients, the lanes' x tiles, the dy tile and (add_dx) the lanes' dx_post tiles."""
     k2 = 2 * gemm_depth(n)
-    staged = ((1 if one_operand else 3) * block_tokens * k2 * 2 + block_tokens * coef_width(n) * 4
+    staged = (3 * block_tokens * k2 * 2 + block_tokens * coef_width(n) * 4
               + (lanes * (2 if add_dx else 1) + 1) * block_tokens * block_c * 2)
-    return (2 if one_operand else 1) * lanes * k2 * block_c * 2 + stages * staged
+    return lanes * k2 * block_c * 2 + stages * staged
 
 
-def lane_splits_for(n: int, C: int, sms: int, *, least_efficiency: float = 0.9, most: int = 32) -> int:
+def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, least_efficiency: float = 0.9,
+                    most: int = 32) -> int:
     """Token splits S of kernel 2 on CUDA for a GPU with `sms` SMs. Its shared memory holds one CTA per SM,
     so its (column blocks x S) CTAs run in waves of `sms`; the last wave's empty SMs are lost time (at
     16384 x 2560 on the H200, 40 column blocks x 4 splits = 160 CTAs took 0.60 ms, more than 64 x 4 = 256
     CTAs at C = 4096 took). The smallest S whose waves are at least `least_efficiency` full, else the fullest
     (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum)."""
-    lanes, columns = lane_tiling(n)
+    lanes, columns = lane_tiling(n, add_dx)
     blocks = -(-C // columns) * (n // lanes)
 
     def fullness(splits: int) -> float:
@@ -582,9 +574,8 @@ def dphi_from_partial(partial, n: int):
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
-                         block_c: int | None = None, lane_group: int | None = None, stages: int = 2,
-                         dx_products: int = 3, threads: int = 128, one_operand: bool = False,
-                         phases: str = "fused"):
+                         block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
+                         dx_products: int = 3, threads: int = 128, phases: str = "fused"):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -606,6 +597,6 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
-                                   "threads": threads, "one_operand": one_operand}
+                                   "threads": threads}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
     return coefficients, lanes

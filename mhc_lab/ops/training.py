@@ -110,11 +110,11 @@ def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
 
 
-def _lane_splits(n: int, C: int, device: torch.device) -> int:
+def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool) -> int:
     """Token splits of the pre backward's lane kernel: its CTAs in waves that fill the GPU's SMs."""
     from mhc_lab.kernels.pre_backward import lane_splits_for
 
-    return lane_splits_for(n, C, torch.cuda.get_device_properties(device).multi_processor_count)
+    return lane_splits_for(n, C, torch.cuda.get_device_properties(device).multi_processor_count, add_dx=add_dx)
 
 
 def _no_autocast(fn):
@@ -253,7 +253,7 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
     if x.device.type == "cuda":
         from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth
 
-        splits = _lane_splits(n, C, x.device)
+        splits = _lane_splits(n, C, x.device, linked)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                                    lane_splits=splits, add_dx=linked, phases=COEFFICIENT_PHASES)
         more = [dx_post.contiguous()] if linked else []
@@ -449,13 +449,14 @@ def _(x, link, f, post, res, backend, phi_next=None):
     return torch.empty_like(x), x.new_empty((splits, tokens, mixes_width(n) + 1), dtype=coefficient_dtype(x))
 
 
-# Chained sites on CUDA pass their tests on the H200 (n = 1, 2, 4, 8), but were not faster there as timed: the
-# fused post + next projection took about what the post and the projection pass take apart (16384 x 4096:
-# 0.52 ms against 0.31 + 0.19; site forward + backward 2.44 ms chained, 2.41 linked; block +10.3% against
-# +9.1%, 2026-11-30). Its stores now leave from the registers (0.46 ms alone), not yet timed as a whole site
-# (docs/kernel-notes.md, section 2). So on CUDA each pre projects for itself unless this is switched on (or
-# within chaining_on_cuda(True)); on the CPU sites always chain.
-CHAIN_ON_CUDA = False
+# Chained sites on CUDA: each post projects its lanes for the next pre while they are on chip (the fused post +
+# projection), so the next pre reads them once. Timed as CUDA graphs on the H200 (2026-11-30), a chained site's
+# forward + backward took 1.42 / 2.06 / 1.80 ms against 1.46 / 2.11 / 1.84 for the linked site (16384 x 2560,
+# 16384 x 4096, 8192 x 7168; two more runs timed without graphs agree at the two wider shapes). In the
+# transformer block the two are level: three runs at C = 4096 gave +9.1 / +9.7 / +11.7% chained against
+# +9.9 / +10.5 / +9.8% linked, within the block's run-to-run spread. So they are on; chaining_on_cuda(False)
+# turns them off for a block of code (the benchmarks time both designs). On the CPU sites always chain.
+CHAIN_ON_CUDA = True
 
 
 @contextlib.contextmanager
