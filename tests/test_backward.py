@@ -698,3 +698,15 @@ def test_warm_runs_each_selected_test_in_a_process_of_its_own():
     assert len(ids) == len(set(ids)) >= 6
     assert all(i.startswith("tests/test_kernels_forward.py::test_cuda_post_project_matches_float64[") for i in ids)
     assert all(line[:2] == ["-m", "pytest"] and "addopts=" in line for line in lines)
+
+
+def test_warm_reports_the_end_of_a_failed_log(tmp_path):
+    """A failed process's reason comes back in bench warm's own output: the last lines of its log."""
+    from mhc_lab.course.bench_warm import failure_report
+
+    log = tmp_path / "07-test.log"
+    log.write_text("\n".join(f"line {i}" for i in range(100)) + "\nE   AssertionError: ('linked', 'x', 0.5)\n")
+    report = failure_report(str(log), lines=3).splitlines()
+    assert report == ["    | line 98", "    | line 99", "    | E   AssertionError: ('linked', 'x', 0.5)"]
+    (tmp_path / "empty.log").write_text("")
+    assert failure_report(str(tmp_path / "empty.log")) == "    | (empty log)"

@@ -10,7 +10,7 @@ at 64 tokens, in parallel processes, without saving anything, so that the kernel
 token count) are compiled side by side on the machine's cores and the timed runs that follow load them from
 the cache. Done this way by hand on the course's H200 machine (16 cores, 2026-11-30), the compile phase took
 about 80 s instead of about 5 minutes. Each process's output goes to --logs; the command prints one line per
-process and fails if one did.
+process (with the end of the log of any that failed) and fails if one did.
 
 --tests EXPR adds the tests that pytest's -k EXPR selects, each in a process of its own in the same pool: a
 CUDA test compiles the kernels of its own shapes, so a pytest process that runs them one after another spends
@@ -51,6 +51,14 @@ def selected_test_commands(expression: str, paths=("tests",)) -> list[list[str]]
     return [["-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", test_id] for test_id in ids]
 
 
+def failure_report(path: str, lines: int = 40) -> str:
+    """The last lines of a failed process's log, indented, for the command's own output: on a machine whose
+    files may not all come back, the reason for a failure travels with the line that reports it."""
+    with open(path, errors="replace") as f:
+        tail = f.read().splitlines()[-lines:]
+    return "\n".join(f"    | {line}" for line in tail) or "    | (empty log)"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench warm", description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default=",".join(str(c) for c in WIDTHS), help="comma-separated widths C")
@@ -77,6 +85,8 @@ def main(argv=None) -> int:
         log.close()
         status |= int(code != 0)
         print(f"{'ok' if code == 0 else f'FAILED ({code})'}: {shown}  ({time.time() - t0:.0f} s)")
+        if code != 0:
+            print(failure_report(log.name), flush=True)
 
     for k, (label, line, shown) in enumerate(todo):
         while len(running) >= max(1, args.jobs):
