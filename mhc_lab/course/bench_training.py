@@ -59,25 +59,32 @@ def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> di
 # site
 
 
+def _handed_partial(x, own):
+    """The partial sums a previous post hands to this pre (partial_splits(chained=True) of them), made from the
+    pre's own projection: its splits summed into the first."""
+    from mhc_lab.ops.training import partial_splits
+
+    handed = torch.zeros((partial_splits("kernels", x, chained=True), *own.shape[1:]), dtype=own.dtype,
+                         device=own.device)
+    handed[0] = own.sum(0)
+    return handed
+
+
 def _site_impls(skip):
     from mhc_lab.ops.training import chaining_on_cuda, mhc_post as ours_post, mhc_pre as ours_pre, mhc_site
-    from mhc_lab.ops.training import mhc_site_chained, partial_splits
+    from mhc_lab.ops.training import mhc_site_chained
 
     made = {}
 
     def chain_partial(x, phi, bias, alpha):
-        """x's projection with phi as a previous post hands it over (partial_splits(chained=True) partial sums),
-        made once per input (outside the timing): the pre's own projection, its splits summed into the first."""
+        """x's projection with phi as a previous post hands it over, made once per input (outside the timing)."""
         key = (x.data_ptr(), phi.data_ptr(), x.shape)
         if key not in made:
             made.clear()
             with torch.no_grad():
                 own = torch.ops.mhc_lab.pre_forward(x.detach(), phi.detach(), bias.detach(), alpha.detach(),
                                                     "kernels")[4]
-                chained = torch.zeros((partial_splits("kernels", x, chained=True), *own.shape[1:]),
-                                      dtype=own.dtype, device=own.device)
-                chained[0] = own.sum(0)
-                made[key] = chained
+                made[key] = _handed_partial(x, own)
         return made[key]
 
     def ours(x, phi, bias, alpha):
@@ -182,15 +189,13 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
     """Each of our kernels alone (forward ops and backward ops), for the byte accounting; the *_chained ops are
     those of a site inside a chain (its pre takes the previous post's partial sums, its post projects for the
     next pre)."""
-    from mhc_lab.ops.training import chaining_on_cuda, partial_splits
+    from mhc_lab.ops.training import chaining_on_cuda
 
     ops = torch.ops.mhc_lab
     y, post, res, pre, partial, link = ops.pre_forward(x, phi, bias, alpha, "kernels")
     f = y
     dy, dpost, dres = torch.randn_like(y), torch.randn_like(post), torch.randn_like(res)
-    handed = torch.zeros((partial_splits("kernels", x, chained=True), *partial.shape[1:]), dtype=partial.dtype,
-                         device=partial.device)
-    handed[0] = partial.sum(0)  # the partial sums a previous post hands over
+    handed = _handed_partial(x, partial)
 
     def post_project():
         with chaining_on_cuda(True):
