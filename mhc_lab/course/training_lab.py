@@ -590,24 +590,22 @@ def block_figure(results: dict, label: str):
 # ---- a live measurement of the same quantities on a CUDA GPU ---------------------------------------------------
 
 
-def measure_live(site_shapes: Sequence[tuple[int, int]], block_widths: Sequence[int], *, full: bool,
-                 log=print) -> dict:
+def measure_live(site_shapes: Sequence[tuple[int, int]], block_widths: Sequence[int], *, compile: bool = False,
+                 repeat_ms: int = 100, log=print) -> dict:
     """The training benchmark's own functions (mhc_lab.course.bench_training) on this CUDA GPU: one site for each
-    (tokens, C) in ``site_shapes``, one transformer block for each width. Without ``full``, torch.compile (minutes
-    of compiling) is skipped and the timings are shorter. A dict like a recording's results, plus the device."""
+    (tokens, C) in ``site_shapes``, one transformer block for each width, each timed for about ``repeat_ms``.
+    torch.compile only with ``compile`` (minutes of compiling per shape; the recording has it). A dict like a
+    recording's results, plus the device."""
     import importlib.util
 
     from mhc_lab.course import bench_forward, bench_training
 
     timer, timer_name = bench_forward._timer()
-    repeat_ms = 100 if full else 30
 
     def bench(fn, warmup_ms=None, rep_ms=None):
         return timer(fn, warmup_ms=max(5, repeat_ms // 4), rep_ms=repeat_ms)
 
-    skip = set()
-    if not full:
-        skip.add("compile")
+    skip = set() if compile else {"compile"}
     if importlib.util.find_spec("tile_kernels") is None:
         skip.add("tilekernels")
     results = {"device": torch.cuda.get_device_name(), "timer": timer_name, "skipped": sorted(skip),
