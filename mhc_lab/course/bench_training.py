@@ -422,8 +422,10 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
 def _op_host_costs(x, phi, bias, alpha, wall_ms, steps) -> dict:
     """Microseconds per call, launched back to back at a small shape (so the host's time, not the GPU's): our
     forward ops through torch.ops (the custom op's dispatch) and as their implementations called directly
-    (CustomOpDef._init_fn, private to torch, for this measurement only), the post's kernel through its
-    autograd-free wrapper, an empty custom op, and a torch.empty, all on x's device."""
+    (CustomOpDef._init_fn, private to torch, for this measurement only); the backward ops through torch.ops;
+    the post's kernel through its autograd-free wrapper and called bare (the compiled TileLang kernel: its
+    own host cost per launch); an empty custom op, and a torch.empty; all on x's device."""
+    from mhc_lab.kernels.post import post_kernel
     from mhc_lab.ops import training as ops_training
     from mhc_lab.ops.forward import mhc_post_fused
 
@@ -434,12 +436,20 @@ def _op_host_costs(x, phi, bias, alpha, wall_ms, steps) -> dict:
 
     y, post, res, pre, partial, link = torch.ops.mhc_lab.pre_forward(x, phi, bias, alpha, "kernels")
     post_out = torch.empty_like(x)
+    g = torch.randn_like(x)
+    dy, dpost, dres = torch.randn_like(y), torch.randn_like(post), torch.randn_like(res)
+    lanes = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
+    post_kernel_compiled = post_kernel(x.shape[1], x.shape[2], lanes, "cuda" if x.is_cuda else "c")
     calls = {
         "pre_forward through torch.ops": lambda: torch.ops.mhc_lab.pre_forward(x, phi, bias, alpha, "kernels"),
         "pre_forward called directly": lambda: ops_training.pre_forward._init_fn(x, phi, bias, alpha, "kernels"),
         "post_forward through torch.ops": lambda: torch.ops.mhc_lab.post_forward(x, y, post, res, "kernels"),
         "post_forward called directly": lambda: ops_training.post_forward._init_fn(x, y, post, res, "kernels"),
+        "pre_backward through torch.ops": lambda: torch.ops.mhc_lab.pre_backward(
+            x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, None, "kernels"),
+        "post_backward through torch.ops": lambda: torch.ops.mhc_lab.post_backward(x, y, post, res, g, "kernels"),
         "post kernel through its wrapper": lambda: mhc_post_fused(x, y, post, res, out=post_out),
+        "post kernel called bare": lambda: post_kernel_compiled(x, y, post, res, post_out),
         "an empty custom op": lambda: torch.ops.mhc_lab_bench.nothing(x),
         "torch.empty": lambda: torch.empty((64, 64), device=x.device),
     }
