@@ -137,10 +137,17 @@ def _site_impls(skip):
 GRAPHED_SITES = ("ours", "ours_linked", "ours_chained", "tilekernels")
 
 
-def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
+def _site_operands(tokens, C):
+    """A site's inputs (bench_forward._inputs), autograd leaves made from them, and the random upstream
+    gradient of its output (seed 7)."""
     x, phi, bias, alpha = _inputs(tokens, C)
     g = torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
     leaves = [t.detach().clone().requires_grad_() for t in (x, phi, bias, alpha)]
+    return (x, phi, bias, alpha), leaves, g
+
+
+def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
+    (x, phi, bias, alpha), leaves, g = _site_operands(tokens, C)
     impls, errors, reference = _site_impls(skip)
     out = {"tokens": tokens, "C": C, "n": N, "bytes": site_bytes_fwd_bwd(tokens, C), "times_ms": {},
            "graph_ms": {}, "rel_err": {}, "errors": errors}
@@ -427,7 +434,7 @@ def _op_host_costs(x, phi, bias, alpha, wall_ms, steps) -> dict:
     own host cost per launch); an empty custom op, and a torch.empty; all on x's device."""
     from mhc_lab.kernels.post import post_kernel
     from mhc_lab.ops import training as ops_training
-    from mhc_lab.ops.forward import mhc_post_fused
+    from mhc_lab.ops.forward import _DTYPE_NAMES, mhc_post_fused
 
     if not hasattr(torch.ops.mhc_lab_bench, "nothing"):
         @torch.library.custom_op("mhc_lab_bench::nothing", mutates_args=())
@@ -438,8 +445,9 @@ def _op_host_costs(x, phi, bias, alpha, wall_ms, steps) -> dict:
     post_out = torch.empty_like(x)
     g = torch.randn_like(x)
     dy, dpost, dres = torch.randn_like(y), torch.randn_like(post), torch.randn_like(res)
-    lanes = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
-    post_kernel_compiled = post_kernel(x.shape[1], x.shape[2], lanes, "cuda" if x.is_cuda else "c")
+    # the kernel mhc_post_fused launches: the lanes' dtype on CUDA, float32 on the C target
+    post_kernel_compiled = post_kernel(x.shape[1], x.shape[2], *((_DTYPE_NAMES[x.dtype], "cuda") if x.is_cuda
+                                                                 else ("float32", "c")))
     calls = {
         "pre_forward through torch.ops": lambda: torch.ops.mhc_lab.pre_forward(x, phi, bias, alpha, "kernels"),
         "pre_forward called directly": lambda: ops_training.pre_forward._init_fn(x, phi, bias, alpha, "kernels"),
@@ -490,9 +498,7 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
         return (time.perf_counter() - t) / repeat * 1e3
 
     impls, _, _ = _site_impls({"compile", "eager", "tilekernels"})
-    x, phi, bias, alpha = _inputs(tokens, C)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, phi, bias, alpha)]
-    g = torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    (x, phi, bias, alpha), leaves, g = _site_operands(tokens, C)
 
     def site():
         return torch.autograd.grad(impls["ours_chained"](*leaves), leaves, g)

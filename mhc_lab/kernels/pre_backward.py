@@ -22,13 +22,14 @@
 # CUDA kernel 1: a CTA owns 64 tokens; all its threads stream the tokens' x and dy in [64 x 128] tiles (TMA,
 # double-buffered) and reduce dH_pre; then one thread per token runs the per-token backward of
 # _coefficients.py (the same macro as the C target) and writes kernel 2's operands: dmix split into bf16 hi and
-# lo, laid out for the three products, and H_pre with 2 ds. CUDA kernel 2: a CTA owns a block of columns of up
-# to 4 lanes for a range of token tiles; phi's columns are split into bf16 hi/lo once per CTA; every operand of
-# the token loop arrives by copies, so the loop is pipelined; each token tile runs two GEMMs per lane for dx
-# and one for the dphi partial, which stays in registers until the end.
+# lo, laid out for the three products, and H_pre with 2 ds. CUDA kernel 2: a CTA owns a block of columns of 2
+# lanes (1 for odd n; lane_tiling) for a range of token tiles; phi's columns are split into bf16 hi/lo once per
+# CTA; every operand of the token loop arrives by copies, so the loop is pipelined; each token tile runs two
+# GEMMs per lane for dx and one for the dphi partial, which stays in registers until the end.
 # H200, 16384 x 4096 (2026-11-30, mhc_lab/recorded/training_h200.json, sweeps): kernel 1 0.27 ms (64 x 128
-# tiles; 0.45 with the earlier 16 x 256), kernel 2 0.55 ms (2.2 TB/s on its 9C bytes); docs/kernel-notes.md has
-# the versions before these and what limits them, and what kernel 1 as two kernels (phases="split") measured.
+# tiles; 0.45 with the earlier 16 x 256), kernel 2 0.513 ms (2.35 TB/s on its 9C bytes), 0.673 ms when it adds
+# the linked site's dx_post (2.59 TB/s on 13C); docs/kernel-notes.md has the versions before these and what
+# limits them, and what kernel 1 as two kernels (phases="split") measured.
 """pre backward: coefficient gradients (kernel 1), lane and phi gradients (kernel 2); CUDA or C target."""
 
 
@@ -446,7 +447,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             dxf = T.alloc_fragment((BT, BC), dtype)
             dps = [T.alloc_shared((BT, BC), dtype) for _ in group] if dx_post is not None else None
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
-            keep = T.alloc_local((1,), "float32")
+            keep = T.alloc_local((1,), "float32") if overlap_dphi else None  # see overlap_dphi
             c0 = bc * BC
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
             for jj in group:
