@@ -172,7 +172,8 @@ def test_cuda_kernels_build_for_sm90():
     post = post_kernel(4, 4096, "bfloat16", "sm_90")
     assert "uint4" in post.get_kernel_source()  # 16-byte vector loads of the lanes
     kernels = split_kernels(4, 4096, "bfloat16", "sm_90", **SPLIT_DEFAULTS)  # what 'auto' runs
-    assert any("wgmma" in k.get_kernel_source() for k in kernels)  # Hopper tensor cores for the projection
+    project = kernels[1].get_kernel_source()  # Hopper tensor cores for the projection, phi's rows as the A
+    assert "wgmma" in project and ", 64, 8, 16," not in project  # operand: m64n128k16, not m64n8k16
     lookback = lookback_kernel(4, 2560, "bfloat16", "sm_90", splits=lookback_splits(2560), **LOOKBACK_DEFAULTS)
     src = lookback.get_kernel_source()
     assert "mhc_arrive" in src and "mhc_wait" in src  # the tile hand-off
@@ -214,8 +215,10 @@ def test_post_project_refuses_what_it_cannot_run():
         post_project_program(9, 64, "float32", "c")
     with pytest.raises(ValueError, match="expected dtype in \\('bfloat16',\\), got 'float16'"):
         post_project_program(4, 64, "float16", "sm_90")
-    with pytest.raises(ValueError, match="n = 8 with 64 tokens x 64 columns in 2 stages needs up to 600064 bytes"):
+    with pytest.raises(ValueError, match="n = 8 with 64 tokens x 64 columns in 2 stages needs up to 655360 bytes"):
         post_project_program(8, 64, "bfloat16", "sm_90", block_k=64, stages=2)
+    with pytest.raises(ValueError, match=r"leave_out takes a prefix of .*, got \('phi',\)"):
+        post_project_program(4, 64, "bfloat16", "sm_90", leave_out=("phi",))
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
@@ -224,7 +227,8 @@ def test_post_project_builds_for_sm90(n, C):
     from mhc_lab.kernels.post_project import post_project_kernel
 
     src = post_project_kernel(n, C, "bfloat16", "sm_90").get_kernel_source()
-    assert "wgmma" in src  # the projection on the tensor cores
+    assert "wgmma" in src  # the projection on the tensor cores, phi's rows as the 64-row A operand
+    assert ", 64, 32, 16, false, false" in src and ", 64, 8, 16," not in src  # m64n32k16, not m64n8k16
     assert "tma_store" not in src  # the new lanes leave from the registers,
     if C % 64 == 0:
         assert "*(uint2*)(out + " in src  # 8 bytes at a time where no column block is cut short

@@ -241,7 +241,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
     ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"} or
     {"phases": "split"}), kernel 2 for each tuning variant ({"lane_splits", "block_tokens", "block_c",
-    "lane_group", "stages", "dx_products", "threads", "overlap_dphi", "add_dx"}); every variant's outputs are compared
+    "lane_group", "stages", "dx_products", "threads", "add_dx"}); every variant's outputs are compared
     with the first's of the same add_dx."""
     from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
 

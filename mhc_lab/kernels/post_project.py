@@ -15,8 +15,10 @@
 # One factory, two targets. CUDA: a CTA owns block_m tokens and one of `splits` ranges of columns; per column
 # block it copies the n lane tiles, the f tile and the next phi's columns (bf16 hi and lo rows, as the split
 # plan's projection takes them) into shared memory, mixes the lanes in float32, stores each result to global
-# memory from the registers and into an output tile in shared memory, and multiplies that tile with phi on the
-# tensor cores into a [block_m x (2M padded)] float32 accumulator; the squared norm is summed on the way.
+# memory from the registers and into an output tile in shared memory, and multiplies phi's rows with that tile
+# on the tensor cores into a [(2M padded to 64) x block_m] float32 accumulator (phi is the A operand, so each
+# wgmma is m64n32k16; with the output tile as A they were m64n8k16, three times as many, and the kernel took
+# 0.434 against 0.388 ms at 16384 x 4096 on the H200, 2026-11-30); the squared norm is summed on the way.
 # C target: the same arithmetic in plain loops.
 """post fused with the next site's projection: out = H_res x + H_post f, and the partial sums the next pre's
 apply pass starts from (CUDA tiles or TileLang's C target)."""
@@ -36,7 +38,7 @@ from mhc_lab.kernels._target import (
     compile_program,
     round_up,
 )
-from mhc_lab.kernels.pre_split import phi_rows
+from mhc_lab.kernels.pre_split import phi_rows, phi_tile_rows
 
 def _check(n: int, C: int, dtype: str, target: str) -> str:
     check_lanes_and_width("post + projection kernel", n, C, max_lanes=8)
@@ -55,17 +57,19 @@ def cuda_tuning(n: int) -> dict:
     return {"block_m": 64, "block_k": 32, "stages": 1, "threads": 256}
 
 
-def shared_bytes(n: int, block_m: int, block_k: int, stages: int) -> int:
+def shared_bytes(n: int, block_m: int, block_k: int, stages: int, phi_loaded: bool = True) -> int:
     """Shared memory of the CUDA program, at most (TileLang may let buffers share space): per stage the n lane
-    tiles, the f tile and phi's hi/lo rows; once the n output tiles, the token's coefficients and the
-    accumulator's copy."""
-    staged = (n + 1) * block_m * block_k * 2 + n * phi_rows(n) * block_k * 2
-    return stages * staged + n * block_m * block_k * 2 + block_m * (n * n + n) * 4 + block_m * phi_rows(n) * 4
+    tiles, the f tile and the phi tiles (unless leave_out drops phi's loads); once the n output tiles, and
+    either the tokens' coefficients or the accumulator's copy (the first is dead before the second is written,
+    and TileLang puts them in the same place)."""
+    rows = phi_tile_rows(n)
+    staged = (n + 1) * block_m * block_k * 2 + (n * rows * block_k * 2 if phi_loaded else 0)
+    return stages * staged + n * block_m * block_k * 2 + max(block_m * (n * n + n), rows * block_m) * 4
 
 
 def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
                          block_m: int | None = None, block_k: int | None = None, stages: int | None = None,
-                         threads: int | None = None, block_tokens: int = 4):
+                         threads: int | None = None, block_tokens: int = 4, leave_out: tuple = ()):
     """The tile program of post + next projection for n lanes of width C. CUDA tiles left None come from
     cuda_tuning(n).
 
@@ -77,6 +81,10 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
     The mix reads the lane tiles straight from shared memory. The generated code re-reads all n + 1 tiles for
     every output lane (20 shared loads per element at n = 4 where 5 would do), but copying them into registers
     once first was slower: 0.496 against 0.434 ms at 16384 x 4096 (H200, 2026-11-30, kernel notes).
+
+    leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
+    costs: "gemm" the projection's tensor-core products, "phi" also phi's loads, "out_tile" also the output
+    tile's shared copy, "mix" also the lane mix (each output lane is then a plain copy of its own input lane).
     """
     t = _check(n, C, dtype, target)
     M = mixes_width(n)
@@ -115,15 +123,21 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
 
         return post_project_c
 
+    LEAVE_OUT_STEPS = ("gemm", "phi", "out_tile", "mix")  # each needs the ones before it left out
+    left = tuple(leave_out)
+    if left != LEAVE_OUT_STEPS[: len(left)]:
+        raise ValueError(f"post + projection kernel: leave_out takes a prefix of {LEAVE_OUT_STEPS} (each part needs "
+                         f"the ones before it gone), got {left}")
     tuned = cuda_tuning(n)
     block_m, block_k, stages, threads = (tuned[k] if v is None else v for k, v in (
         ("block_m", block_m), ("block_k", block_k), ("stages", stages), ("threads", threads)))
-    smem = shared_bytes(n, block_m, block_k, stages)
+    NP = phi_rows(n)
+    NA = phi_tile_rows(n)
+    smem = shared_bytes(n, block_m, block_k, stages, phi_loaded="phi" not in left)
     if smem > SMEM_LIMIT:
         raise ValueError(f"post + projection kernel: n = {n} with {block_m} tokens x {block_k} columns in {stages} "
                          f"stages needs up to {smem} bytes of shared memory, more than the {SMEM_LIMIT} a CTA may "
                          f"use; take fewer columns (block_k) or stages")
-    NP = phi_rows(n)
     NCOEF = n * n + n
     BM, BK, S = block_m, block_k, splits
     KS = round_up(ceil_div(C, S), BK)  # columns per split, whole blocks
@@ -139,12 +153,12 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
             cs = T.alloc_shared((BM, NCOEF), "float32")
             xs = [T.alloc_shared((BM, BK), dtype) for _ in lanes]
             fs = T.alloc_shared((BM, BK), dtype)
-            ps = [T.alloc_shared((NP, BK), "bfloat16") for _ in lanes]
+            ps = [T.alloc_shared((NA, BK), "bfloat16") for _ in lanes]
             os = [T.alloc_shared((BM, BK), dtype) for _ in lanes]
-            acc = T.alloc_fragment((BM, NP), "float32")
+            acc = T.alloc_fragment((NA, BM), "float32")
             sq_acc = T.alloc_fragment((BM, BK), "float32")
             sq = T.alloc_fragment((BM,), "float32")
-            out_s = T.alloc_shared((BM, NP), "float32")
+            out_s = T.alloc_shared((NA, BM), "float32")
             t0 = bm * BM
             for tt, k in T.Parallel(BM, NCOEF):
                 tok = t0 + tt
@@ -158,31 +172,39 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                 c0 = s * KS + kk * BK
                 for j in lanes:
                     T.copy(x[t0 : t0 + BM, j, c0 : c0 + BK], xs[j])
-                    T.copy(phi_hl[0:NP, j * C + c0 : j * C + c0 + BK], ps[j])
+                    if "phi" not in left:
+                        # rows NP..NA of the tile are never written; the product rows they give are never read
+                        T.copy(phi_hl[0:NP, j * C + c0 : j * C + c0 + BK], ps[j][0:NP, 0:BK])
                 T.copy(f[t0 : t0 + BM, c0 : c0 + BK], fs)
                 for tt, c in T.Parallel(BM, BK):
                     xv = [T.cast(xs[j][tt, c], "float32") for j in lanes]
                     fv = T.cast(fs[tt, c], "float32")
                     for i in lanes:
-                        o = T.cast(sum([cs[tt, i * n + j] * xv[j] for j in lanes], cs[tt, n * n + i] * fv), dtype)
+                        if "mix" in left:
+                            o = T.cast(xv[i] + fv, dtype)
+                        else:
+                            o = T.cast(sum([cs[tt, i * n + j] * xv[j] for j in lanes], cs[tt, n * n + i] * fv),
+                                       dtype)
                         # past the last column o is 0 (x and f arrive zero-filled), so phi columns that belong to
                         # the next lane, read there, add nothing
                         # the tile goes to shared memory for the GEMM, and leaves from the registers: stored
                         # from shared memory in bulk, each lane's store had to finish before the next (0.517
                         # against 0.464 ms at 16384 x 4096 on the H200, 2026-11-30)
-                        os[i][tt, c] = o
+                        if "out_tile" not in left:
+                            os[i][tt, c] = o
                         if (t0 + tt < NT) & (c0 + c < C):
                             out[t0 + tt, i, c0 + c] = o
                         v = T.cast(o, "float32")
                         sq_acc[tt, c] += v * v
-                for i in lanes:
-                    T.gemm(os[i], ps[i], acc, transpose_B=True)
+                if "gemm" not in left:
+                    for i in lanes:
+                        T.gemm(ps[i], os[i], acc, transpose_B=True)
             T.reduce_sum(sq_acc, sq, dim=1)
             T.copy(acc, out_s)
             for tt, q in T.Parallel(BM, M):
                 tok = t0 + tt
                 if tok < NT:
-                    partial[s, tok, q] = out_s[tt, q] + out_s[tt, M + q]
+                    partial[s, tok, q] = out_s[q, tt] + out_s[M + q, tt]
             for tt in T.Parallel(BM):
                 tok = t0 + tt
                 if tok < NT:

@@ -343,8 +343,7 @@ def gemm_depth(n: int) -> int:
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None,
-                               stages: int | None = None, dx_products: int = 3, threads: int = 128,
-                               overlap_dphi: bool = False):
+                               stages: int | None = None, dx_products: int = 3, threads: int = 128):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -355,11 +354,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     tiles of block_tokens, stages > 1 pipelines the token loop (default lane_stages: the most that fit in
     shared memory, up to 3 with add_dx and 2 without), dx_products 3 (dmix and phi both split into bf16
     hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx).
-    overlap_dphi (CUDA): issue each lane's dphi GEMM before its dx epilogue without waiting for it, so the
-    tensor cores run it while the CUDA cores run the epilogue, and wait at the lane's end. A read of one
-    element of each of the GEMM's shared operands after that wait is their last use in the loop body, so the
-    pipeline hands the stage back to the producer after the wait, not after the GEMM's issue (where it
-    would put the release otherwise: the producer could overwrite tiles the tensor cores still read).
+    Each lane's dphi GEMM is waited for before the next lane starts. Issued before the dx epilogue and waited
+    for at the lane's end instead (the stage's release kept behind the wait), it was no faster: 0.672 against
+    0.681 ms with dx_post at 16384 x 4096, slower at the other widths (H200, 2026-11-30, kernel notes).
     With add_dx each lane's dx_post tile comes into shared memory with the token loop's other operands, so the
     pipeline fetches it ahead (read from global memory where it is added instead, the 4C cost 0.40 ms at
     16384 x 4096 on the H200; staged, 0.22 ms, 2026-11-30)."""
@@ -447,7 +444,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             dxf = T.alloc_fragment((BT, BC), dtype)
             dps = [T.alloc_shared((BT, BC), dtype) for _ in group] if dx_post is not None else None
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
-            keep = T.alloc_local((1,), "float32") if overlap_dphi else None  # see overlap_dphi
             c0 = bc * BC
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
             for jj in group:
@@ -481,8 +477,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     T.gemm(a_dx, phi_s[jj], acc)  # hi (phi_hi + phi_lo), then lo phi_hi
                     if dx_products == 3:
                         T.gemm(a_l0, phi_s[jj], acc)
-                    if overlap_dphi:
-                        T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True, annotations={"wg_wait": -1})
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
@@ -490,11 +484,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                             v = v + T.cast(dps[jj][tt, c], "float32")
                         dxf[tt, c] = T.cast(v, dtype)
                     T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
-                    if overlap_dphi:
-                        T.wait_wgmma(0)
-                        keep[0] = T.cast(a_hl[0, 0], "float32") + T.cast(xs[jj][0, 0], "float32")
-                    else:
-                        T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
+                    T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
             for jj in group:
                 j = lg * LG + jj
                 for k, c in T.Parallel(K2, BC):
@@ -589,8 +579,7 @@ def dphi_from_partial(partial, n: int):
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
-                         dx_products: int = 3, threads: int = 128, phases: str = "fused",
-                         overlap_dphi: bool = False):
+                         dx_products: int = 3, threads: int = 128, phases: str = "fused"):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -612,6 +601,6 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
-                                   "threads": threads, "overlap_dphi": overlap_dphi}
+                                   "threads": threads}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
     return coefficients, lanes

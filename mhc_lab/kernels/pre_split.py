@@ -57,6 +57,14 @@ def phi_rows(n: int) -> int:
     return round_up(2 * mixes_width(n), 16)
 
 
+def phi_tile_rows(n: int) -> int:
+    """Rows of a shared phi tile: phi's hi and lo rows padded to whole 64-row tiles, phi being the A operand of
+    the tensor cores' m64nNk16 products (the rows past phi_rows are never loaded, and the product rows they
+    give never read). With x as A and phi's 48 rows (n = 4) as the N side, TileLang issued m64n8k16, three
+    times as many instructions as m64n32k16 with phi as A."""
+    return round_up(phi_rows(n), 64)
+
+
 def _check_gpu(n, C, dtype, target):
     t = canonical_target(target)
     if t == "c":
@@ -94,7 +102,7 @@ def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda
                     block_m: int = 256, block_k: int = 64, splits: int = 4, stages: int = 3, threads: int = 256):
     """Pass 1: partial [splits, T, n^2+2n+1] float32 from x_flat [T, nC] and phi_hl [phi_rows, nC]."""
     _check_gpu(n, C, dtype, target)
-    M, K, NP = mixes_width(n), n * C, phi_rows(n)
+    M, K, NP, NA = mixes_width(n), n * C, phi_rows(n), phi_tile_rows(n)
     BM, BK, S = block_m, block_k, splits
     KS = round_up(ceil_div(K, S), BK)  # K per split, whole chunks
     NK = KS // BK
@@ -108,19 +116,19 @@ def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda
     ):
         with T.Kernel(T.ceildiv(NT, BM), S, threads=threads) as (bm, s):
             xs = T.alloc_shared((BM, BK), dtype)
-            ps = T.alloc_shared((NP, BK), "bfloat16")
-            acc = T.alloc_fragment((BM, NP), "float32")
+            ps = T.alloc_shared((NA, BK), "bfloat16")
+            acc = T.alloc_fragment((NA, BM), "float32")  # phi's rows x tokens (phi_tile_rows)
             xf = T.alloc_fragment((BM, BK), dtype)
             sq_acc = T.alloc_fragment((BM, BK), "float32")
             sq = T.alloc_fragment((BM,), "float32")
-            out_s = T.alloc_shared((BM, NP), "float32")
+            out_s = T.alloc_shared((NA, BM), "float32")
             T.clear(acc)
             T.clear(sq_acc)
             for kk in T.Pipelined(NK, num_stages=stages):
                 k0 = s * KS + kk * BK
                 T.copy(x[bm * BM : bm * BM + BM, k0 : k0 + BK], xs)
-                T.copy(phi_hl[0:NP, k0 : k0 + BK], ps)
-                T.gemm(xs, ps, acc, transpose_B=True)
+                T.copy(phi_hl[0:NP, k0 : k0 + BK], ps[0:NP, 0:BK])
+                T.gemm(ps, xs, acc, transpose_B=True)
                 T.copy(xs, xf)
                 for i, k in T.Parallel(BM, BK):
                     v = T.cast(xf[i, k], "float32")
@@ -131,7 +139,7 @@ def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda
                 tok = bm * BM + i
                 if tok < NT:
                     if m < M:
-                        partial[s, tok, m] = out_s[i, m] + out_s[i, M + m]
+                        partial[s, tok, m] = out_s[m, i] + out_s[M + m, i]
             for i in T.Parallel(BM):
                 tok = bm * BM + i
                 if tok < NT:
