@@ -230,6 +230,8 @@ def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     with pytest.raises(ValueError, match=r"4 lanes x 64 columns x 64 tokens in 2 stages with dx_post need 233472 "
                                          r"bytes of shared memory, more than the 232448"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4, block_c=64, stages=2)
+    with pytest.raises(ValueError, match=r"leave_out takes a prefix of .*, got \('dx_gemm',\)"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", leave_out=("dx_gemm",))
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])

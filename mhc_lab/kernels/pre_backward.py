@@ -343,7 +343,8 @@ def gemm_depth(n: int) -> int:
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None,
-                               stages: int | None = None, dx_products: int = 3, threads: int = 128):
+                               stages: int | None = None, dx_products: int = 3, threads: int = 128,
+                               leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -359,7 +360,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     0.681 ms with dx_post at 16384 x 4096, slower at the other widths (H200, 2026-11-30, kernel notes).
     With add_dx each lane's dx_post tile comes into shared memory with the token loop's other operands, so the
     pipeline fetches it ahead (read from global memory where it is added instead, the 4C cost 0.40 ms at
-    16384 x 4096 on the H200; staged, 0.22 ms, 2026-11-30)."""
+    16384 x 4096 on the H200; staged, 0.22 ms, 2026-11-30).
+
+    leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
+    costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
+    what is left is the stream of x, dy (and dx_post) through the pipeline and the dx epilogue."""
     t = _check("pre backward (lanes)", n, C, dtype, target)
     M = mixes_width(n)
     K = n * C
@@ -414,6 +419,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
         return lanes_backward_c
 
+    LEAVE_OUT_STEPS = ("dphi", "dx_gemm", "dmix_loads")  # each needs the ones before it left out
+    left = tuple(leave_out)
+    if left != LEAVE_OUT_STEPS[: len(left)]:
+        raise ValueError(f"pre backward (lanes): leave_out takes a prefix of {LEAVE_OUT_STEPS} (each part needs "
+                         f"the ones before it gone), got {left}")
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
@@ -461,10 +471,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 t0 = (s * tiles + tb) * BT
                 # operands arrive by copies only (zero-filled past the last token), so the pipeline may
                 # prefetch the next tile while this one computes
-                T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
-                if dx_products == 3:
-                    T.copy(dsplit[t0 : t0 + BT, 1, 0:K2], a_l0)
-                T.copy(dsplit[t0 : t0 + BT, 2, 0:K2], a_hl)
+                if "dmix_loads" not in left:
+                    T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
+                    if dx_products == 3:
+                        T.copy(dsplit[t0 : t0 + BT, 1, 0:K2], a_l0)
+                    T.copy(dsplit[t0 : t0 + BT, 2, 0:K2], a_hl)
                 T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
                 for jj in group:
                     T.copy(x[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], xs[jj])
@@ -474,9 +485,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 for jj in group:
                     j = lg * LG + jj
                     T.clear(acc)
-                    T.gemm(a_dx, phi_s[jj], acc)  # hi (phi_hi + phi_lo), then lo phi_hi
-                    if dx_products == 3:
-                        T.gemm(a_l0, phi_s[jj], acc)
+                    if "dx_gemm" not in left:
+                        T.gemm(a_dx, phi_s[jj], acc)  # hi (phi_hi + phi_lo), then lo phi_hi
+                        if dx_products == 3:
+                            T.gemm(a_l0, phi_s[jj], acc)
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
@@ -484,7 +496,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                             v = v + T.cast(dps[jj][tt, c], "float32")
                         dxf[tt, c] = T.cast(v, dtype)
                     T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
-                    T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
+                    if "dphi" not in left:
+                        T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
             for jj in group:
                 j = lg * LG + jj
                 for k, c in T.Parallel(K2, BC):
@@ -579,7 +592,8 @@ def dphi_from_partial(partial, n: int):
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
-                         dx_products: int = 3, threads: int = 128, phases: str = "fused"):
+                         dx_products: int = 3, threads: int = 128, phases: str = "fused",
+                         leave_out: tuple = ()):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -601,6 +615,6 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
-                                   "threads": threads}
+                                   "threads": threads, "leave_out": leave_out}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
     return coefficients, lanes
