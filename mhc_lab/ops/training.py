@@ -118,10 +118,14 @@ def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool) -> int:
 
 
 def _no_autocast(fn):
-    """Run an op's implementation with autocast off: the coefficients stay float32 inside torch.autocast."""
+    """Run an op's implementation with autocast off: the coefficients stay float32 inside torch.autocast.
+    The two contexts are entered only where autocast is on: they cost about 5 us per op on a desktop CPU
+    against 0.3 us for the check (2026-11-30), and an op runs on the host's critical path."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+            return fn(*args, **kwargs)
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             return fn(*args, **kwargs)
 
