@@ -243,6 +243,50 @@ def measure_live(shapes, *, compile: bool, repeat_ms: int = 100, log=print) -> d
     return results
 
 
+STREAM_RECORDING = "forward_h200_stream"  # the chained site's kernels, timed part by part
+# leave_out steps of the fused post + projection (mhc_lab.kernels.post_project), in the order they were dropped
+LEAVE_OUT_ROWS = (
+    (("gemm",), "  without the GEMMs"),
+    (("gemm", "phi"), "  also without phi's loads"),
+    (("gemm", "phi", "out_tile"), "  also without the output tile in shared memory"),
+    (("gemm", "phi", "out_tile", "mix"), "  also without the mix: a plain copy"),
+)
+
+
+def leave_out_table(recording: dict | None = None) -> str:
+    """The fused post + projection of a chained site taken apart on the H200: its time as first built, then
+    with one part after another left out (timing experiments, python -m mhc_lab.bench forward --stream-variants
+    with "leave_out"), the post alone for comparison, and the kernel after the fix those steps pointed to."""
+    recording = recording if recording is not None else recorded_or_none(STREAM_RECORDING)
+    results = (recording or {}).get("results") or {}
+    steps, fixed = results.get("leave_out_run_O"), results.get("phi_first_run_P")
+    if not steps:
+        return "(no leave_out recording in mhc_lab/recorded/forward_h200_stream.json)"
+    shapes = steps["shapes"]
+
+    def variant(shape, tuning):
+        for row in shape.get("stream_variants", []):
+            if row.get("tuning") == tuning and "time_ms" in row:
+                return row["time_ms"]["stream.post_project"]
+        return None
+
+    rows = [("as first built (phi's rows on the GEMM's N side)", [s["time_ms"].get("stream.post_project")
+                                                                 for s in shapes])]
+    rows += [(label, [variant(s, {"leave_out": list(left)}) for s in shapes]) for left, label in LEAVE_OUT_ROWS]
+    rows.append(("the post alone (no projection)", [s["time_ms"].get("post") for s in shapes]))
+    if fixed:
+        by_shape = {(s["tokens"], s["C"]): s for s in fixed["shapes"]}
+        rows.append(("phi's rows as the GEMM's A operand (now; a later run)",
+                     [variant(by_shape.get((s["tokens"], s["C"]), {}), {"phi_first": True}) for s in shapes]))
+    width = max(len(label) for label, _ in rows) + 2
+    lines = [recording_label({"environment": steps.get("environment") or recording.get("environment")}),
+             f"{'fused post + projection, ms':<{width}}" + "".join(f"{_shape_name(s):>15}" for s in shapes)]
+    for label, times in rows:
+        lines.append(f"{label:<{width}}" + "".join(f"{t:15.3f}" if isinstance(t, (int, float)) else f"{'-':>15}"
+                                                    for t in times))
+    return "\n".join(lines)
+
+
 def _shape_name(r: dict) -> str:
     return f"{r['tokens']} x {r['C']}"
 

@@ -1,0 +1,47 @@
+"""The recorded forward benchmark's part-by-part table, as lab 06 prints it."""
+
+from mhc_lab.course import forward_lab
+
+
+def _shape(tokens: int, C: int, whole: float, post: float, variants=()) -> dict:
+    """One shape of a forward recording: the fused kernel's time, the post's, and (tuning, ms) variants."""
+    return {"tokens": tokens, "C": C, "time_ms": {"stream.post_project": whole, "post": post},
+            "stream_variants": [{"tuning": tuning, "time_ms": {"stream.post_project": ms}}
+                                for tuning, ms in variants]}
+
+
+def _recording(shapes: list, fixed: list | None = None) -> dict:
+    results = {"leave_out_run_O": {"environment": {"gpu": "Some GPU", "date": "2026-01-02"}, "shapes": shapes}}
+    if fixed is not None:
+        results["phi_first_run_P"] = {"shapes": fixed}
+    return {"environment": {"gpu": "Other GPU"}, "results": results}
+
+
+def test_leave_out_table_gives_each_step_per_shape_and_the_fix():
+    steps = {("gemm",): 0.35, ("gemm", "phi"): 0.34, ("gemm", "phi", "out_tile"): 0.33,
+             ("gemm", "phi", "out_tile", "mix"): 0.32}
+    shapes = [_shape(16384, 4096, 0.43, 0.30, [({"leave_out": list(k)}, ms) for k, ms in steps.items()]),
+              _shape(8192, 7168, 0.37, 0.27)]  # this shape's steps were not timed
+    fixed = [_shape(16384, 4096, 0.44, 0.31, [({"phi_first": True}, 0.39)])]
+    lines = forward_lab.leave_out_table(_recording(shapes, fixed)).splitlines()
+    assert lines[0].startswith("RECORDED on Some GPU, 2026-01-02")  # the run's own tags, not the file's
+    assert lines[1].split()[-6:] == ["16384", "x", "4096", "8192", "x", "7168"]
+    values = [line.split()[-2:] for line in lines[2:]]
+    assert values == [["0.430", "0.370"], ["0.350", "-"], ["0.340", "-"], ["0.330", "-"], ["0.320", "-"],
+                      ["0.300", "0.270"], ["0.390", "-"]]
+
+
+def test_leave_out_table_without_the_runs_says_so():
+    assert forward_lab.leave_out_table({"results": {}}).startswith("(no leave_out recording")
+    text = forward_lab.leave_out_table(_recording([_shape(16384, 2560, 0.28, 0.2)]))
+    assert "A operand" not in text  # no fix row without its run
+
+
+def test_the_recorded_leave_out_table_renders_every_recorded_step():
+    recording = forward_lab.recorded_or_none(forward_lab.STREAM_RECORDING)
+    text = forward_lab.leave_out_table(recording)
+    for shape in recording["results"]["leave_out_run_O"]["shapes"]:
+        for row in shape["stream_variants"]:
+            assert f"{row['time_ms']['stream.post_project']:.3f}" in text
+    shapes = len(recording["results"]["leave_out_run_O"]["shapes"])
+    assert all("-" not in line.split()[-shapes:] for line in text.splitlines()[2:])  # every cell measured
