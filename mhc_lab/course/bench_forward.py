@@ -216,8 +216,7 @@ def _stream_site(x, phi, bias, alpha, bench, ref_out, tuning=None) -> tuple[dict
     from mhc_lab.ops.training import CHAIN_SPLITS
 
     tokens, n, C = x.shape
-    # JSON gives lists; the kernel cache needs hashable keywords
-    tuning = {"splits": CHAIN_SPLITS, **{k: tuple(v) if isinstance(v, list) else v for k, v in (tuning or {}).items()}}
+    tuning = {"splits": CHAIN_SPLITS, **hashable_tuning(tuning or {})}
     S = tuning["splits"]
     apply_phases = tuning.pop("apply_phases", SPLIT_DEFAULTS["apply_phases"])
     phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda",
@@ -249,6 +248,12 @@ def _stream_site(x, phi, bias, alpha, bench, ref_out, tuning=None) -> tuple[dict
              "stream.apply": bench(lambda: apply(x, partial_in, bias, alpha, y, pre, post, res)) * 1e3,
              "stream.post_project": bench(lambda: fused(x, y, post, res, phi_hl, new, partial_out)) * 1e3}
     return times, errors
+
+
+def hashable_tuning(tuning: dict) -> dict:
+    """A kernel tuning read from JSON with its lists made tuples: the kernel factories' caches need hashable
+    keywords."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in tuning.items()}
 
 
 def _split_components(x, phi, bias, alpha, bench) -> dict:

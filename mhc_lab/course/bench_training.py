@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from mhc_lab.course import bytes_model
-from mhc_lab.course.bench_forward import _inputs, _rel, _tilekernels, _timer, copy_bandwidth
+from mhc_lab.course.bench_forward import _inputs, _rel, _tilekernels, _timer, copy_bandwidth, hashable_tuning
 from mhc_lab.course.measure import save_recording
 from mhc_lab.ops import training as _training_ops  # noqa: F401  (registers torch.ops.mhc_lab.*)
 from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
@@ -293,8 +293,8 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
         try:
             splits = cfg.get("lane_splits", 1)
             add_dx = bool(cfg.get("add_dx", False))
-            tuning = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}  # hashable, for the cache
-            _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0], **tuning)
+            _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
+                                            **hashable_tuning(cfg))
             dx = torch.empty_like(x)
             dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
             args = (x, dy, dsplit, coef, phi, *([dx_post] if add_dx else []), dx, dphi_partial)

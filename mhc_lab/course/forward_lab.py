@@ -24,6 +24,7 @@ from mhc_lab.course import bytes_model
 from mhc_lab.course.measure import recorded_or_none, recording_label  # noqa: F401 (labs use recording_label)
 from mhc_lab.course.roofline import Roof
 from mhc_lab.kernels.post import post_bytes
+from mhc_lab.kernels.post_project import LEAVE_OUT_STEPS
 from mhc_lab.reference import MHCCoefficients, sinkhorn
 from mhc_lab.reference.mhc import mixes_width
 
@@ -244,13 +245,9 @@ def measure_live(shapes, *, compile: bool, repeat_ms: int = 100, log=print) -> d
 
 
 STREAM_RECORDING = "forward_h200_stream"  # the chained site's kernels, timed part by part
-# leave_out steps of the fused post + projection (mhc_lab.kernels.post_project), in the order they were dropped
-LEAVE_OUT_ROWS = (
-    (("gemm",), "  without the GEMMs"),
-    (("gemm", "phi"), "  also without phi's loads"),
-    (("gemm", "phi", "out_tile"), "  also without the output tile in shared memory"),
-    (("gemm", "phi", "out_tile", "mix"), "  also without the mix: a plain copy"),
-)
+# what leaving out each of post_project.LEAVE_OUT_STEPS (and the ones before it) leaves, in the same order
+LEAVE_OUT_LABELS = ("  without the GEMMs", "  also without phi's loads",
+                    "  also without the output tile in shared memory", "  also without the mix: a plain copy")
 
 
 def leave_out_table(recording: dict | None = None) -> str:
@@ -272,7 +269,8 @@ def leave_out_table(recording: dict | None = None) -> str:
 
     rows = [("as first built (phi's rows on the GEMM's N side)", [s["time_ms"].get("stream.post_project")
                                                                  for s in shapes])]
-    rows += [(label, [variant(s, {"leave_out": list(left)}) for s in shapes]) for left, label in LEAVE_OUT_ROWS]
+    rows += [(label, [variant(s, {"leave_out": list(LEAVE_OUT_STEPS[: k + 1])}) for s in shapes])
+             for k, label in enumerate(LEAVE_OUT_LABELS)]
     rows.append(("the post alone (no projection)", [s["time_ms"].get("post") for s in shapes]))
     if fixed:
         by_shape = {(s["tokens"], s["C"]): s for s in fixed["shapes"]}

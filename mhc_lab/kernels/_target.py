@@ -98,6 +98,17 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on Hopper (sm_
 SMEM_PER_SM = 228 * 1024  # bytes of shared memory of one Hopper SM, for all its resident CTAs together
 
 
+def leave_out_prefix(kernel: str, steps: tuple, leave_out) -> tuple:
+    """A kernel factory's leave_out (timing experiments: parts of the kernel dropped to see what each costs) as a
+    tuple, checked to be a prefix of the kernel's ``steps``: each part can only go once the ones before it are
+    gone."""
+    left = tuple(leave_out)
+    if left != tuple(steps)[: len(left)]:
+        raise ValueError(f"{kernel}: leave_out takes a prefix of {tuple(steps)} (each part needs the ones before it "
+                         f"gone), got {left}")
+    return left
+
+
 def compile_program(program, target: str, pass_configs: dict | None = None):
     """``tilelang.compile`` for one of our canonical targets (thread-safe; logs quieted; C target with -O3).
 

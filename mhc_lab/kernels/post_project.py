@@ -37,9 +37,14 @@ from mhc_lab.kernels._target import (
     check_lanes_and_width,
     check_target_dtype,
     compile_program,
+    leave_out_prefix,
     round_up,
 )
 from mhc_lab.kernels.pre_split import phi_rows, phi_tile_rows
+
+# the parts post_project_program's leave_out drops, in order: the products, phi's loads, the output tile, the mix
+LEAVE_OUT_STEPS = ("gemm", "phi", "out_tile", "mix")
+
 
 def _check(n: int, C: int, dtype: str, target: str) -> str:
     check_lanes_and_width("post + projection kernel", n, C, max_lanes=8)
@@ -128,11 +133,7 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
 
         return post_project_c
 
-    LEAVE_OUT_STEPS = ("gemm", "phi", "out_tile", "mix")  # each needs the ones before it left out
-    left = tuple(leave_out)
-    if left != LEAVE_OUT_STEPS[: len(left)]:
-        raise ValueError(f"post + projection kernel: leave_out takes a prefix of {LEAVE_OUT_STEPS} (each part needs "
-                         f"the ones before it gone), got {left}")
+    left = leave_out_prefix("post + projection kernel", LEAVE_OUT_STEPS, leave_out)
     tuned = cuda_tuning(n)
     block_m, block_k, stages, threads = (tuned[k] if v is None else v for k, v in (
         ("block_m", block_m), ("block_k", block_k), ("stages", stages), ("threads", threads)))

@@ -50,6 +50,7 @@ from mhc_lab.kernels._target import (
     check_lanes_and_width,
     check_target_dtype,
     compile_program,
+    leave_out_prefix,
     round_up,
 )
 
@@ -419,11 +420,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
         return lanes_backward_c
 
-    LEAVE_OUT_STEPS = ("dphi", "dx_gemm", "dmix_loads")  # each needs the ones before it left out
-    left = tuple(leave_out)
-    if left != LEAVE_OUT_STEPS[: len(left)]:
-        raise ValueError(f"pre backward (lanes): leave_out takes a prefix of {LEAVE_OUT_STEPS} (each part needs "
-                         f"the ones before it gone), got {left}")
+    left = leave_out_prefix("pre backward (lanes)", ("dphi", "dx_gemm", "dmix_loads"), leave_out)
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
