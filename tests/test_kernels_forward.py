@@ -219,9 +219,6 @@ def test_post_project_refuses_what_it_cannot_run():
         post_project_program(8, 64, "bfloat16", "sm_90", block_k=64, stages=2)
     with pytest.raises(ValueError, match=r"leave_out takes a prefix of .*, got \('phi',\)"):
         post_project_program(4, 64, "bfloat16", "sm_90", leave_out=("phi",))
-    with pytest.raises(ValueError, match=r"ctas_per_sm = 2 CTAs of up to 196608 bytes .* expected 1 <= "
-                                         r"ctas_per_sm <= 1"):
-        post_project_program(4, 4096, "bfloat16", "sm_90", ctas_per_sm=2)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
@@ -237,21 +234,10 @@ def test_post_project_builds_for_sm90(n, C):
         assert "*(uint2*)(out + " in src  # 8 bytes at a time where no column block is cut short
 
 
-@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
-def test_post_project_with_two_ctas_per_sm_builds_for_sm90():
-    from mhc_lab.kernels.post_project import post_project_kernel
-
-    src = post_project_kernel(4, 4096, "bfloat16", "sm_90", ctas_per_sm=2, block_k=32).get_kernel_source()
-    assert "__launch_bounds__(384, 2)" in src  # registers for two CTAs of 384 threads
-    assert "reg_alloc" not in src and "reg_dealloc" not in src  # no warpgroup register reallocation
-
-
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens,tuning", [
     (4, 4096, 257, {}), (4, 40, 7, {}), (4, 200, 33, {}), (2, 72, 1, {}), (8, 40, 65, {}), (1, 72, 7, {}),
-    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2}),
-    (4, 4096, 257, {"ctas_per_sm": 2, "block_k": 32}), (4, 200, 33, {"ctas_per_sm": 2, "block_k": 32}),
-    (2, 72, 1, {"ctas_per_sm": 2, "block_k": 32}), (1, 72, 7, {"ctas_per_sm": 2, "block_k": 32})])
+    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2})])
 def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel

@@ -95,7 +95,6 @@ def quiet_tilelang() -> None:
 C_TARGET_FLAGS = ["-O3"]
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on Hopper (sm_90)
-SMEM_PER_SM = 228 * 1024  # bytes of shared memory of one Hopper SM, for all its resident CTAs together
 
 
 def leave_out_prefix(kernel: str, steps: tuple, leave_out) -> tuple:

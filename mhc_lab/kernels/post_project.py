@@ -31,7 +31,6 @@ import tilelang.language as T
 from mhc_lab.kernels._coefficients import mixes_width
 from mhc_lab.kernels._target import (
     SMEM_LIMIT,
-    SMEM_PER_SM,
     canonical_target,
     ceil_div,
     check_lanes_and_width,
@@ -75,8 +74,7 @@ def shared_bytes(n: int, block_m: int, block_k: int, stages: int, phi_loaded: bo
 
 def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
                          block_m: int | None = None, block_k: int | None = None, stages: int | None = None,
-                         threads: int | None = None, block_tokens: int = 4, leave_out: tuple = (),
-                         ctas_per_sm: int = 1):
+                         threads: int | None = None, block_tokens: int = 4, leave_out: tuple = ()):
     """The tile program of post + next projection for n lanes of width C. CUDA tiles left None come from
     cuda_tuning(n).
 
@@ -87,10 +85,10 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
 
     The mix reads the lane tiles straight from shared memory. The generated code re-reads all n + 1 tiles for
     every output lane (20 shared loads per element at n = 4 where 5 would do), but copying them into registers
-    once first was slower: 0.496 against 0.434 ms at 16384 x 4096 (H200, 2026-11-30, kernel notes).
-
-    ctas_per_sm (CUDA): CTAs that must fit on one SM at once (TileLang's min_blocks_per_sm; the warpgroups then
-    keep the registers they launch with), so one CTA's loads can run while another mixes and multiplies.
+    once first was slower: 0.496 against 0.434 ms at 16384 x 4096 (H200, 2026-11-30, kernel notes). Two CTAs
+    per SM (32-column blocks, min_blocks_per_sm 2, no warpgroup register reallocation) were slower too: 0.411
+    against 0.387 ms at 16384 x 4096, 0.454 against 0.337 at 8192 x 7168; stripped to a plain copy they gave
+    0.363 against one CTA's 0.340 ms (H200, 2026-11-30, kernel notes).
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "gemm" the projection's tensor-core products, "phi" also phi's loads, "out_tile" also the output
@@ -144,10 +142,6 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
         raise ValueError(f"post + projection kernel: n = {n} with {block_m} tokens x {block_k} columns in {stages} "
                          f"stages needs up to {smem} bytes of shared memory, more than the {SMEM_LIMIT} a CTA may "
                          f"use; take fewer columns (block_k) or stages")
-    if ctas_per_sm < 1 or ctas_per_sm * (smem + 1024) > SMEM_PER_SM:
-        raise ValueError(f"post + projection kernel: ctas_per_sm = {ctas_per_sm} CTAs of up to {smem} bytes of shared "
-                         f"memory each (and 1 KB the driver keeps per CTA) do not fit the {SMEM_PER_SM} bytes of an "
-                         f"SM; expected 1 <= ctas_per_sm <= {SMEM_PER_SM // (smem + 1024)}")
     NCOEF = n * n + n
     BM, BK, S = block_m, block_k, splits
     KS = round_up(ceil_div(C, S), BK)  # columns per split, whole blocks
@@ -160,9 +154,6 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
         out: T.Tensor((NT, n, C), dtype), partial: T.Tensor((S, NT, M + 1), "float32"),
     ):
         with T.Kernel(T.ceildiv(NT, BM), S, threads=threads) as (bm, s):
-            if ctas_per_sm > 1:  # registers for that many CTAs: no warpgroup register reallocation
-                T.annotate_min_blocks_per_sm(ctas_per_sm)
-                T.no_set_max_nreg()
             cs = T.alloc_shared((BM, NCOEF), "float32")
             xs = [T.alloc_shared((BM, BK), dtype) for _ in lanes]
             fs = T.alloc_shared((BM, BK), dtype)
