@@ -619,6 +619,54 @@ def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
         assert torch.equal(a, again), f"{name}: two runs differ (the backward must be deterministic)"
 
 
+def _lane_operands(tokens, n, C, seed):
+    """Random operands of kernel 2 on CUDA as kernel 1 lays them out (dmix split into bf16 hi and lo), and the
+    float64 dmix they stand for."""
+    from mhc_lab.kernels.pre_backward import coef_width, gemm_depth
+
+    g = torch.Generator().manual_seed(seed)
+    m, kh = n * n + 2 * n, gemm_depth(n)
+    dmix = torch.randn(tokens, m, generator=g, dtype=torch.float64)
+    hi = dmix.to(torch.bfloat16)
+    lo = (dmix - hi.double()).to(torch.bfloat16)
+    dsplit = torch.zeros(tokens, 3, 2 * kh, dtype=torch.bfloat16)
+    dsplit[:, 0, :m], dsplit[:, 0, kh : kh + m] = hi, hi
+    dsplit[:, 1, :m] = lo
+    dsplit[:, 2, :m], dsplit[:, 2, kh : kh + m] = hi, lo
+    coef = torch.zeros(tokens, coef_width(n), dtype=torch.float32)
+    coef[:, : n + 1] = torch.randn(tokens, n + 1, generator=g)
+    return dsplit.cuda(), coef.cuda(), hi.double() + lo.double()
+
+
+@needs_cuda
+@pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}])
+@pytest.mark.parametrize("add_dx", [False, True])
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
+def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
+    """Kernel 2 alone, in each tuning, against float64 sums of the operands it is given: dx = dmix phi_j +
+    H_pre[j] dy + 2 ds x_j (+ dx_post), dphi = dmix^T x; outputs poisoned first. With one product for dx
+    (dmix rounded to bf16 in it) dx stays within one bf16 rounding of the truth."""
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, pre_backward_kernels
+
+    x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 7, device="cuda")
+    x = x.to(torch.bfloat16)
+    dy, _, _, dx_post = _upstream((tokens,), n, C, seed=11, device="cuda")
+    dy, dx_post = dy.to(torch.bfloat16), dx_post.to(torch.bfloat16)
+    dsplit, coef, dmix = _lane_operands(tokens, n, C, seed=tokens)
+    phi32 = phi.float()
+    _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, add_dx=add_dx, lane_splits=2, **tuning)
+    dx = torch.full_like(x, float("nan"))
+    partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
+    lanes(x, dy, dsplit, coef, phi32, *([dx_post] if add_dx else []), dx, partial)
+    xd, c = x.double(), coef.double()
+    want = ((dmix.cuda() @ phi32.double()).reshape(tokens, n, C) + c[:, :n, None] * dy.double()[:, None]
+            + c[:, n, None, None] * xd)
+    if add_dx:
+        want = want + dx_post.double()
+    assert _relmax(dx, want) < 1e-2
+    assert _relmax(dphi_from_partial(partial, n), dmix.cuda().t() @ xd.reshape(tokens, n * C)) < 1e-4
+
+
 def test_training_benchmark_times_every_op_it_names():
     """The benchmark's per-op timings call the custom ops with their current signatures (here on the CPU,
     through the C target, with a stand-in timer that runs each call once)."""
