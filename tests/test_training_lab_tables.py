@@ -37,3 +37,44 @@ def test_the_recorded_tables_render_every_recorded_row():
     for row in results["block"]:
         for ms in row["times_ms"].values():
             assert f"{ms:.2f} ms" in block
+
+
+def _kernel2_recording(sweeps: list, sm_count: int = 132) -> dict:
+    return {"environment": {"gpu": "Some GPU", "date": "2026-01-02", "sm_count": sm_count},
+            "results": {"n": 4, "copy_gbps": 4000.0, "sweeps": sweeps}}
+
+
+def _lanes(C: int, rows: list, run: str = "U", tokens: int = 16384) -> dict:
+    return {"tokens": tokens, "C": C, "run": run, "lanes": rows}
+
+
+def test_kernel2_steps_table_gives_each_step_and_the_copy_floor():
+    rows = [{"add_dx": True, "ms": 0.70}, {"add_dx": True, "leave_out": ["dphi"], "ms": 0.68},
+            {"add_dx": True, "leave_out": ["dphi", "dx_gemm"], "ms": 0.49},
+            {"add_dx": True, "leave_out": ["dphi", "dx_gemm", "dmix_loads"], "ms": 0.48},
+            {"add_dx": True, "lane_splits": 2, "ms": 9.0},  # another tuning: not a step
+            {"ms": 0.52}, {"leave_out": ["dphi", "dx_gemm", "dmix_loads"], "ms": 0.33}]
+    sweeps = [_lanes(4096, rows), _lanes(2560, rows),  # at 2560 the site runs 3 splits on 132 SMs: left out
+              _lanes(4096, [{"add_dx": True, "ms": 5.0}], run="N")]  # another run
+    lines = training_lab.kernel2_steps_table(_kernel2_recording(sweeps)).splitlines()
+    assert lines[0].startswith("RECORDED on Some GPU, 2026-01-02")
+    assert lines[1].startswith("kernel 2 at 16384 x 4096, ms") and len(lines) == 7
+    assert [line.split()[-2:] for line in lines[2:6]] == [["0.700", "0.520"], ["0.680", "-"], ["0.490", "-"],
+                                                          ["0.480", "0.330"]]
+    floor = [16384 * k * 4096 * 2 / 4000e9 * 1e3 for k in (13, 9)]
+    assert lines[6].split()[-2:] == [f"{floor[0]:.3f}", f"{floor[1]:.3f}"]
+
+
+def test_kernel2_steps_table_without_the_run_says_so():
+    assert training_lab.kernel2_steps_table(_kernel2_recording([])).startswith("(no kernel 2 leave_out sweep")
+    # on a GPU with other SM counts the rule picks other splits: no shape matches the sweep's one split
+    text = training_lab.kernel2_steps_table(_kernel2_recording([_lanes(4096, [{"add_dx": True, "ms": 1.0}])], 100))
+    assert text.startswith("(no kernel 2 leave_out sweep")
+
+
+def test_the_recorded_kernel2_steps_table_renders_every_step():
+    text = training_lab.kernel2_steps_table()
+    u = [s for s in training_lab.load_recorded()["results"]["sweeps"] if s.get("run") == "U" and s["C"] == 4096]
+    for row in u[0]["lanes"]:
+        assert f"{row['ms']:.3f}" in text
+    assert all(line.split()[-2] != "-" for line in text.splitlines()[2:])  # every step with dx_post measured

@@ -537,6 +537,55 @@ def site_table(results: dict) -> str:
     return "\n\n".join(tables)
 
 
+KERNEL2_STEP_LABELS = ("  without the dphi GEMM", "  also without the dx GEMMs",
+                      "  also without the dmix operands' loads")
+
+
+def kernel2_steps_table(recording: dict | None = None, run: str = "U") -> str:
+    """Kernel 2 of the pre backward (dx and the dphi partials) taken apart on the H200: its time as it is, then
+    with one part after another left out (timing experiments: python -m mhc_lab.bench training --parts sweep
+    with "leave_out"), and its bytes at the recording's copy bandwidth; with the linked site's dx_post (13C per
+    token) and without it (9C). Only shapes where the sweep's one token split is what the site runs too (the
+    wave rule of lane_splits_for on the recording's GPU), so that each column is the kernel as a site runs it."""
+    from mhc_lab.kernels.pre_backward import LANE_LEAVE_OUT_STEPS, lane_splits_for
+
+    recording = recording if recording is not None else load_recorded()
+    results = (recording or {}).get("results") or {}
+    sms = ((recording or {}).get("environment") or {}).get("sm_count")
+    copy = results.get("copy_gbps")
+    shapes = [s for s in results.get("sweeps") or [] if s.get("run") == run]
+    n = results.get("n", 4)
+    shapes = [s for s in shapes if sms and all(lane_splits_for(n, s["C"], sms, add_dx=a) == 1 for a in (True, False))]
+    if not shapes:
+        return f"(no kernel 2 leave_out sweep of run {run} in mhc_lab/recorded/training_h200.json)"
+
+    def timed(shape, add_dx, left):
+        for row in shape.get("lanes", []):
+            if (bool(row.get("add_dx")) == add_dx and tuple(row.get("leave_out") or ()) == left
+                    and not set(row) & {"lane_splits", "lane_group", "block_c", "stages", "threads", "dx_products"}):
+                return row.get("ms")
+        return None
+
+    labels = ("as it is",) + KERNEL2_STEP_LABELS + (f"its bytes at the copy bandwidth ({copy:.0f} GB/s)"
+                                                     if copy else "its bytes at the copy bandwidth",)
+    width = max(map(len, labels)) + 2
+    lines = [recording_label(recording)]
+    for s in shapes:
+        title = f"kernel 2 at {s['tokens']} x {s['C']}, ms"
+        lines.append(f"{title:<{width}}{'with dx_post (13C)':>20}{'without (9C)':>14}")
+        steps = [tuple(LANE_LEAVE_OUT_STEPS[:k]) for k in range(len(LANE_LEAVE_OUT_STEPS) + 1)]
+        for label, left in zip(labels, steps):
+            cells = [timed(s, True, left), timed(s, False, left)]
+            lines.append(f"{label:<{width}}" + "".join(f"{_ms3(v):>{w}}" for v, w in zip(cells, (20, 14))))
+        floor = [s["tokens"] * elements * s["C"] * 2 / (copy * 1e9) * 1e3 if copy else None for elements in (13, 9)]
+        lines.append(f"{labels[-1]:<{width}}" + "".join(f"{_ms3(v):>{w}}" for v, w in zip(floor, (20, 14))))
+    return "\n".join(lines)
+
+
+def _ms3(value) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
+
+
 def _block_overhead(row: dict, key: str):
     """Percent over the plain residual of one block row's implementation: as recorded, else from the times
     (None for the residual itself or when a time is missing)."""
