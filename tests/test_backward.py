@@ -224,6 +224,21 @@ def test_lane_kernel_stages_the_posts_dx_for_sm90():
     assert linked.count("tma_load") == plain.count("tma_load") + lane_tiling(4, True)[0]
 
 
+@needs_nvcc
+@pytest.mark.parametrize("add_dx", [False, True])
+def test_lane_kernel_gives_two_consumer_warpgroups_their_own_tokens_for_sm90(add_dx):
+    """128-token tiles and 256 threads: each consumer warpgroup multiplies its own 64 tokens by all the block's
+    columns (m64n32k16 for the dx GEMMs with dx_post's 32 columns, m64n64k16 without), not half the columns."""
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
+
+    source = compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=add_dx,
+                                                        block_tokens=128, threads=256), "sm_90").get_kernel_source()
+    columns = lane_tiling(4, add_dx)[1]
+    assert "__launch_bounds__(384" in source  # a producer warpgroup and two consumers
+    assert f"kFloat32, 64, {columns}, 16, false" in source  # the dx GEMMs: whole rows of the block per warpgroup
+
+
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
@@ -639,7 +654,7 @@ def _lane_operands(tokens, n, C, seed):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}])
+@pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}])
 @pytest.mark.parametrize("add_dx", [False, True])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):

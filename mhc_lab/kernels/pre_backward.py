@@ -356,7 +356,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     CUDA tuning: lane_group lanes per CTA (default lane_tiling(n, add_dx), which also picks block_c), token
     tiles of block_tokens, stages > 1 pipelines the token loop (default lane_stages: the most that fit in
     shared memory, up to 3 with add_dx and 2 without), dx_products 3 (dmix and phi both split into bf16
-    hi + lo: hi.hi + hi.lo + lo.hi) or 1 (hi.hi only: bf16 precision for the dmix phi term of dx).
+    hi + lo: hi.hi + hi.lo + lo.hi) or 1 (one GEMM, dmix_hi (phi_hi + phi_lo): dmix rounded to bf16 in the
+    dmix phi term of dx). threads 256 with block_tokens 128 gives each of two consumer warpgroups its own 64
+    tokens of the tile, so that one's GEMM waits can overlap the other's epilogue (at 64 tokens two
+    warpgroups split the 32 columns instead, m64n16k16, and were slower: kernel notes, version 17).
     Each lane's dphi GEMM is waited for before the next lane starts. Issued before the dx epilogue and waited
     for at the lane's end instead (the stage's release kept behind the wait), it was no faster: 0.672 against
     0.681 ms with dx_post at 16384 x 4096, slower at the other widths (H200, 2026-11-30, kernel notes).
@@ -484,9 +487,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     j = lg * LG + jj
                     T.clear(acc)
                     if "dx_gemm" not in left:
-                        T.gemm(a_dx, phi_s[jj], acc)  # hi (phi_hi + phi_lo), then lo phi_hi
+                        # hi (phi_hi + phi_lo), then lo phi_hi; with more than one consumer warpgroup (block_tokens
+                        # 128, 256 threads) each takes its own 64 tokens, all 32 columns (m64n32k16)
+                        T.gemm(a_dx, phi_s[jj], acc, policy=T.GemmWarpPolicy.FullRow)
                         if dx_products == 3:
-                            T.gemm(a_l0, phi_s[jj], acc)
+                            T.gemm(a_l0, phi_s[jj], acc, policy=T.GemmWarpPolicy.FullRow)
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
