@@ -267,7 +267,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
             from mhc_lab.kernels._target import compile_program
             from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
 
-            from mhc_lab.kernels.pre_split import NO_WARP_SPECIALIZATION
+            from mhc_lab.kernels._target import NO_WARP_SPECIALIZATION
 
             if cfg.get("phases") == "split":  # two kernels: the streaming dH_pre, then one thread per token
                 kernel, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0], phases="split")

@@ -95,6 +95,9 @@ def quiet_tilelang() -> None:
 C_TARGET_FLAGS = ["-O3"]
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on Hopper (sm_90)
+# compile_program's pass_configs for a pipelined loop without a producer warpgroup (every thread loads with
+# cp.async and computes); TileLang's PassConfigKey.TL_DISABLE_WARP_SPECIALIZED
+NO_WARP_SPECIALIZATION = {"tl.disable_warp_specialized": True}
 
 
 def leave_out_prefix(kernel: str, steps: tuple, leave_out) -> tuple:

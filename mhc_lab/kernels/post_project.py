@@ -30,6 +30,7 @@ import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import mixes_width
 from mhc_lab.kernels._target import (
+    NO_WARP_SPECIALIZATION,
     SMEM_LIMIT,
     canonical_target,
     ceil_div,
@@ -218,11 +219,15 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
 
 
 @functools.lru_cache(maxsize=None)
-def post_project_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", **tuning):
+def post_project_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+                        warp_specialized: bool = True, **tuning):
     """The compiled post + next projection (cached per process):
-    ``kernel(x, f, post, res, phi_next, out, partial)``."""
+    ``kernel(x, f, post, res, phi_next, out, partial)``. warp_specialized=False (CUDA): the same program
+    pipelined without a producer warpgroup, every thread loading its share with cp.async instead of the
+    producer's TMA boxes (another load path for the stream, to time against the default)."""
     t = canonical_target(target)
-    return compile_program(post_project_program(n, C, dtype, t, **tuning), t)
+    configs = None if warp_specialized or t == "c" else NO_WARP_SPECIALIZATION
+    return compile_program(post_project_program(n, C, dtype, t, **tuning), t, pass_configs=configs)
 
 
 def post_project_bytes(n: int, C: int, itemsize: int = 2, splits: int = 4) -> dict:

@@ -28,14 +28,12 @@
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import coefficient_macro, mixes_width, store_coefficients_macro
-from mhc_lab.kernels._target import canonical_target, compile_program, round_up, ceil_div
+from mhc_lab.kernels._target import NO_WARP_SPECIALIZATION, canonical_target, ceil_div, compile_program, round_up
 from mhc_lab.kernels.pre_split import phi_rows
 
-NO_WARP_SPECIALIZATION = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 _PRELUDE = r"""
 // Loads that bypass L1 (data written by other SMs during this launch), and the tile hand-off.

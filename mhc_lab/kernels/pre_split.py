@@ -29,7 +29,6 @@
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import (
@@ -40,6 +39,7 @@ from mhc_lab.kernels._coefficients import (
     store_coefficients_macro,
 )
 from mhc_lab.kernels._target import (
+    NO_WARP_SPECIALIZATION,
     canonical_target,
     ceil_div,
     check_lanes_and_width,
@@ -49,7 +49,6 @@ from mhc_lab.kernels._target import (
 )
 
 
-NO_WARP_SPECIALIZATION = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
 def phi_rows(n: int) -> int:
