@@ -239,6 +239,24 @@ def test_lane_kernel_gives_two_consumer_warpgroups_their_own_tokens_for_sm90(add
     assert f"kFloat32, 64, {columns}, 16, false" in source  # the dx GEMMs: whole rows of the block per warpgroup
 
 
+@needs_nvcc
+def test_lane_kernel_trims_the_lo_product_to_its_rows_for_sm90():
+    """trim_lo: the lo.hi product's K is the KH rows that are not zero, half the instructions (C = 4096, n = 4:
+    K = 2 x 32 issued as 4 m64n32k16, trimmed as 2), and only those columns of dsplit's lo row are loaded."""
+    import re
+
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+
+    def products(source):  # the trip counts of the loops that issue the tensor-core instructions
+        return sorted(int(k) for k in re.findall(r"for \(int ki\w* = 0; ki\w* < (\d+);", source))
+
+    whole, trimmed = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True,
+                                                                 trim_lo=t), "sm_90").get_kernel_source()
+                      for t in (False, True))
+    assert products(whole) == [4] * 6 and products(trimmed) == [2, 2] + [4] * 4  # per lane: hi, lo, dphi
+
+
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
@@ -654,7 +672,7 @@ def _lane_operands(tokens, n, C, seed):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}])
+@pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}, {"trim_lo": True}])
 @pytest.mark.parametrize("add_dx", [False, True])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):

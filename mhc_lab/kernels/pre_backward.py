@@ -346,7 +346,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None,
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
-                               leave_out: tuple = ()):
+                               trim_lo: bool = False, leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -357,7 +357,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     tiles of block_tokens, stages > 1 pipelines the token loop (default lane_stages: the most that fit in
     shared memory, up to 3 with add_dx and 2 without), dx_products 3 (dmix and phi both split into bf16
     hi + lo: hi.hi + hi.lo + lo.hi) or 1 (one GEMM, dmix_hi (phi_hi + phi_lo): dmix rounded to bf16 in the
-    dmix phi term of dx). threads 256 with block_tokens 128 gives each of two consumer warpgroups its own 64
+    dmix phi term of dx); trim_lo runs the lo.hi product over the KH rows of K that are not zero (half the
+    tensor-core instructions of that product, the same sums). threads 256 with block_tokens 128 gives each of two consumer warpgroups its own 64
     tokens of the tile, so that one's GEMM waits can overlap the other's epilogue (at 64 tokens two
     warpgroups split the 32 columns instead, m64n16k16, and were slower: kernel notes, version 17).
     Each lane's dphi GEMM is waited for before the next lane starts. Issued before the dx epilogue and waited
@@ -446,7 +447,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
             phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]  # [phi_hi; phi_lo]
             a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
-            a_l0 = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_lo | 0]
+            a_l0 = T.alloc_shared((BT, KH if trim_lo else K2), "bfloat16")  # [dmix_lo | 0]
             a_hl = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_lo]
             xs = [T.alloc_shared((BT, BC), dtype) for _ in group]
             dys = T.alloc_shared((BT, BC), dtype)
@@ -475,7 +476,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 if "dmix_loads" not in left:
                     T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
                     if dx_products == 3:
-                        T.copy(dsplit[t0 : t0 + BT, 1, 0:K2], a_l0)
+                        T.copy(dsplit[t0 : t0 + BT, 1, 0 : KH if trim_lo else K2], a_l0)
                     T.copy(dsplit[t0 : t0 + BT, 2, 0:K2], a_hl)
                 T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
                 for jj in group:
@@ -491,7 +492,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         # 128, 256 threads) each takes its own 64 tokens, all 32 columns (m64n32k16)
                         T.gemm(a_dx, phi_s[jj], acc, policy=T.GemmWarpPolicy.FullRow)
                         if dx_products == 3:
-                            T.gemm(a_l0, phi_s[jj], acc, policy=T.GemmWarpPolicy.FullRow)
+                            T.gemm(a_l0, phi_s[jj][0 : KH if trim_lo else K2, 0:BC], acc,
+                                   policy=T.GemmWarpPolicy.FullRow)
                     for tt, c in T.Parallel(BT, BC):
                         v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
@@ -596,7 +598,7 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
                          dx_products: int = 3, threads: int = 128, phases: str = "fused",
-                         leave_out: tuple = ()):
+                         trim_lo: bool = False, leave_out: tuple = ()):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -618,6 +620,6 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
-                                   "threads": threads, "leave_out": leave_out}
+                                   "threads": threads, "trim_lo": trim_lo, "leave_out": leave_out}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
     return coefficients, lanes
