@@ -66,6 +66,20 @@ def test_doctor_reads_each_cell(tmp_path):
         assert plan["verdict"] == ("replays part of its GPU results" if replayed else "runs live")
 
 
+def test_doctor_counts_every_cell_that_shows_a_recording_as_a_replay():
+    """A code cell whose stored output (run on a CPU) starts a recording's label, "RECORDED on", shows GPU
+    results this machine did not measure: the doctor must say so for that cell."""
+    for path in SOLUTIONS:
+        nb = nbformat.read(path, as_version=4)
+        for number, cell in enumerate(nb.cells, start=1):
+            if cell.cell_type != "code":
+                continue
+            shown = "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+            if "RECORDED on" in shown:
+                mode = doctor.classify_cell(cell.source, cell.metadata.get("tags", ()))
+                assert mode == "replay", f"{path.name} cell {number}: {mode}"
+
+
 def test_doctor_json():
     info = json.loads(_cli("doctor", "--json", "--no-tilelang").stdout)
     assert info["versions"]["torch"] == torch.__version__
