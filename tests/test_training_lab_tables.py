@@ -78,3 +78,13 @@ def test_the_recorded_kernel2_steps_table_renders_every_step():
     for row in u[0]["lanes"]:
         assert f"{row['ms']:.3f}" in text
     assert all(line.split()[-2] != "-" for line in text.splitlines()[2:])  # every step with dx_post measured
+
+
+def test_kernel2_steps_table_takes_a_sweep_that_ran_the_sites_splits():
+    """A newer sweep records the token splits it ran: at C = 2560 the rule's 3 make that shape the site's."""
+    rows = [{"add_dx": True, "token_splits": 3, "ms": 0.50}, {"add_dx": True, "token_splits": 1, "ms": 0.70},
+            {"token_splits": 3, "ms": 0.40}]
+    text = training_lab.kernel2_steps_table(_kernel2_recording([_lanes(2560, rows)]))
+    lines = text.splitlines()
+    assert lines[1].startswith("kernel 2 at 16384 x 2560, ms")
+    assert lines[2].split()[-2:] == ["0.500", "0.400"] and "0.700" not in text

@@ -241,9 +241,13 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
     ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"} or
     {"phases": "split"}), kernel 2 for each tuning variant ({"lane_splits", "block_tokens", "block_c",
-    "lane_group", "stages", "dx_products", "threads", "add_dx", "leave_out"}); every variant's outputs are
-    compared with the first's of the same add_dx without leave_out (a timing experiment's differ by design)."""
-    from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
+    "lane_group", "stages", "dx_products", "threads", "trim_lo", "add_dx", "leave_out"}); every variant's
+    outputs are compared with the first's of the same add_dx without leave_out (a timing experiment's differ by
+    design). A variant without "lane_splits" runs the token splits a site runs (lane_splits_for on this GPU,
+    for the default tiling), recorded in its row as "token_splits"."""
+    from mhc_lab.kernels.pre_backward import (
+        coef_width, dphi_from_partial, gemm_depth, lane_splits_for, pre_backward_kernels,
+    )
 
     x, phi, bias, alpha = _inputs(tokens, C, seed=2)
     ops = torch.ops.mhc_lab
@@ -291,10 +295,11 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     for cfg in variants:
         row = dict(cfg)
         try:
-            splits = cfg.get("lane_splits", 1)
             add_dx = bool(cfg.get("add_dx", False))
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            splits = row["token_splits"] = cfg.get("lane_splits") or lane_splits_for(n, C, sms, add_dx=add_dx)
             _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                            **hashable_tuning(cfg))
+                                            **{**hashable_tuning(cfg), "lane_splits": splits})
             dx = torch.empty_like(x)
             dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
             args = (x, dy, dsplit, coef, phi, *([dx_post] if add_dx else []), dx, dphi_partial)

@@ -546,25 +546,33 @@ def kernel2_steps_table(recording: dict | None = None, run: str = "U") -> str:
     with one part after another left out (timing experiments: python -m mhc_lab.bench training --parts sweep
     with "leave_out"), and its bytes at the recording's copy bandwidth; with the linked site's dx_post (13C per
     token) and without it (9C). Only shapes where the sweep's one token split is what the site runs too (the
-    wave rule of lane_splits_for on the recording's GPU), so that each column is the kernel as a site runs it."""
+    wave rule of lane_splits_for on the recording's GPU; a row's "token_splits", or 1 where an older sweep did not
+    record it), so that each column is the kernel as a site runs it."""
     from mhc_lab.kernels.pre_backward import LANE_LEAVE_OUT_STEPS, lane_splits_for
 
     recording = recording if recording is not None else load_recorded()
     results = (recording or {}).get("results") or {}
     sms = ((recording or {}).get("environment") or {}).get("sm_count")
     copy = results.get("copy_gbps")
-    shapes = [s for s in results.get("sweeps") or [] if s.get("run") == run]
     n = results.get("n", 4)
-    shapes = [s for s in shapes if sms and all(lane_splits_for(n, s["C"], sms, add_dx=a) == 1 for a in (True, False))]
-    if not shapes:
-        return f"(no kernel 2 leave_out sweep of run {run} in mhc_lab/recorded/training_h200.json)"
+
+    def as_a_site_runs(shape, row):  # the splits a site runs, and no other tuning
+        rule = lane_splits_for(n, shape["C"], sms, add_dx=bool(row.get("add_dx"))) if sms else None
+        tuned = set(row) & {"lane_splits", "lane_group", "block_c", "block_tokens", "stages", "threads",
+                            "dx_products", "trim_lo"}
+        return row.get("token_splits", 1) == rule and not tuned
 
     def timed(shape, add_dx, left):
         for row in shape.get("lanes", []):
             if (bool(row.get("add_dx")) == add_dx and tuple(row.get("leave_out") or ()) == left
-                    and not set(row) & {"lane_splits", "lane_group", "block_c", "stages", "threads", "dx_products"}):
+                    and as_a_site_runs(shape, row)):
                 return row.get("ms")
         return None
+
+    shapes = [s for s in results.get("sweeps") or [] if s.get("run") == run]
+    shapes = [s for s in shapes if timed(s, True, ()) is not None]
+    if not shapes:
+        return f"(no kernel 2 leave_out sweep of run {run} in mhc_lab/recorded/training_h200.json)"
 
     labels = ("as it is",) + KERNEL2_STEP_LABELS + (f"its bytes at the copy bandwidth ({copy:.0f} GB/s)"
                                                      if copy else "its bytes at the copy bandwidth",)
