@@ -74,7 +74,8 @@ def test_doctor_counts_every_cell_that_shows_a_recording_as_a_replay():
         for number, cell in enumerate(nb.cells, start=1):
             if cell.cell_type != "code":
                 continue
-            shown = "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+            streams = [out for out in cell.get("outputs", []) if out.get("output_type") == "stream"]
+            shown = "".join(out.get("text", "") for out in streams)
             if "RECORDED on" in shown:
                 mode = doctor.classify_cell(cell.source, cell.metadata.get("tags", ()))
                 assert mode == "replay", f"{path.name} cell {number}: {mode}"

@@ -358,9 +358,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     shared memory, up to 3 with add_dx and 2 without), dx_products 3 (dmix and phi both split into bf16
     hi + lo: hi.hi + hi.lo + lo.hi) or 1 (one GEMM, dmix_hi (phi_hi + phi_lo): dmix rounded to bf16 in the
     dmix phi term of dx); trim_lo runs the lo.hi product over the KH rows of K that are not zero (half the
-    tensor-core instructions of that product, the same sums). threads 256 with block_tokens 128 gives each of two consumer warpgroups its own 64
-    tokens of the tile, so that one's GEMM waits can overlap the other's epilogue (at 64 tokens two
-    warpgroups split the 32 columns instead, m64n16k16, and were slower: kernel notes, version 17).
+    tensor-core instructions of that product, the same sums). threads 256 with block_tokens 128 gives each of
+    two consumer warpgroups its own 64 tokens of the tile, so that one's GEMM waits can overlap the other's
+    epilogue (at 64 tokens two warpgroups split the 32 columns instead, m64n16k16, and were slower: kernel
+    notes, version 17). trim_lo and the two warpgroups are built, not yet timed (kernel notes, 23-24).
     Each lane's dphi GEMM is waited for before the next lane starts. Issued before the dx epilogue and waited
     for at the lane's end instead (the stage's release kept behind the wait), it was no faster: 0.672 against
     0.681 ms with dx_post at 16384 x 4096, slower at the other widths (H200, 2026-11-30, kernel notes).
