@@ -652,6 +652,53 @@ def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
         assert torch.equal(a, again), f"{name}: two runs differ (the backward must be deterministic)"
 
 
+@needs_cuda
+@pytest.mark.parametrize("tuning", [{"trim_lo": True}, {"block_tokens": 128, "threads": 256},
+                                    {"block_tokens": 128, "threads": 256, "trim_lo": True}])
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
+def test_cuda_site_with_a_lane_tuning_matches_float64(n, C, tokens, tuning):
+    """Whole sites (separate and linked) with kernel 2 tuned through lane_tuning: gradients at bf16 tolerance
+    of float64. trim_lo leaves out products of zeros only, so it gives the default's gradients bit for bit."""
+    from mhc_lab.ops.training import lane_tuning
+
+    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
+    x = x.to(torch.bfloat16)
+    weight = torch.randn(C, C, dtype=torch.float64, device="cuda") / math.sqrt(C)
+    g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
+    want = _site_truth(x, phi, bias, alpha, weight, g)
+
+    def grads(linked):
+        leaves = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in (phi, bias, alpha)]
+        out = _site("kernels", *leaves, weight, linked)
+        return torch.autograd.grad(out, leaves, g.to(out.dtype))
+
+    for linked in (False, True):
+        with lane_tuning(**tuning):
+            got = grads(linked)
+        for name, a, b in zip(("x", "phi", "bias", "alpha"), got, want):
+            rel = float((a.double() - b).norm() / b.norm())
+            assert rel < 2e-2, (linked, name, rel)
+        if tuning == {"trim_lo": True}:
+            for name, a, b in zip(("x", "phi", "bias", "alpha"), got, grads(linked)):
+                assert torch.equal(a, b), f"{name}: trim_lo changed the bits"
+
+
+def test_lane_tuning_sets_kernel_2s_tuning_for_a_block_only():
+    from mhc_lab.ops import training
+
+    assert training.LANE_TUNING == {}
+    with training.lane_tuning(block_tokens=128, threads=256):
+        assert training.LANE_TUNING == {"block_tokens": 128, "threads": 256}
+        with training.lane_tuning(trim_lo=True):
+            assert training.LANE_TUNING == {"trim_lo": True}
+        assert training.LANE_TUNING == {"block_tokens": 128, "threads": 256}
+    assert training.LANE_TUNING == {}
+    with pytest.raises(InputError, match=r"lane_tuning: expected keys among block_tokens, .*, got add_dx, colour"):
+        with training.lane_tuning(colour=1, add_dx=True):
+            pass
+    assert training.LANE_TUNING == {}
+
+
 def _lane_operands(tokens, n, C, seed):
     """Random operands of kernel 2 on CUDA as kernel 1 lays them out (dmix split into bf16 hi and lo), and the
     float64 dmix they stand for."""

@@ -572,7 +572,14 @@ def main(argv=None) -> int:
                         "alone at each site shape (part 'sweep')")
     parser.add_argument("--sweep-coefficients", default="", help="JSON [tuning dicts] of the pre backward's "
                         "kernel 1 (part 'sweep')")
+    parser.add_argument("--lane-tuning", default="", help="JSON {tuning} of the pre backward's kernel 2 for the "
+                        "parts site, block and host (mhc_lab.ops.training.lane_tuning; recorded as lane_tuning)")
     args = parser.parse_args(argv)
+    import json
+
+    from mhc_lab.ops.training import check_lane_tuning, lane_tuning
+
+    tuning = check_lane_tuning(hashable_tuning(json.loads(args.lane_tuning)) if args.lane_tuning else {})
     if not torch.cuda.is_available():
         print("bench training needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/training_h200.json")
         return 1
@@ -582,7 +589,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     results = {"timer": timer_name, "n": N, "dtype": "bfloat16", "sinkhorn_iterations": 20, "post_mult": 2.0,
                "copy_gbps": copy_bandwidth(bench), "site": [], "block": []}
-    print(f"copy {results['copy_gbps']:.0f} GB/s")
+    if tuning:
+        results["lane_tuning"] = tuning
+    print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else ""))
 
     def save(final=False):
         if not args.no_save:
@@ -591,7 +600,8 @@ def main(argv=None) -> int:
     if "site" in parts:
         for s in args.shapes.split(","):
             tokens, C = (int(v) for v in s.split("x"))
-            r = bench_site(tokens, C, bench, skip=skip)
+            with lane_tuning(**tuning):
+                r = bench_site(tokens, C, bench, skip=skip)
             if "ours" in r["times_ms"]:
                 ms = r["times_ms"]["ours"]
                 r["ours_gbps"] = r["bytes"]["ours"] / (ms * 1e-3) / 1e9
@@ -600,8 +610,6 @@ def main(argv=None) -> int:
             save()
             torch.cuda.empty_cache()
     if "sweep" in parts:
-        import json
-
         results["sweeps"] = []
         for s in args.shapes.split(","):
             tokens, C = (int(v) for v in s.split("x"))
@@ -610,11 +618,13 @@ def main(argv=None) -> int:
                 coefficient_variants=json.loads(args.sweep_coefficients or "[]")))
             save()
     if "host" in parts:
-        results["host"] = bench_host(256, 768)
+        with lane_tuning(**tuning):
+            results["host"] = bench_host(256, 768)
         save()
     if "block" in parts:
         for w in args.widths.split(","):
-            results["block"].append(bench_block(int(w), bench, skip=skip))
+            with lane_tuning(**tuning):
+                results["block"].append(bench_block(int(w), bench, skip=skip))
             save()
     results["wall_s"] = round(time.time() - t0, 1)
     path = save(final=True)

@@ -46,6 +46,10 @@ KERNEL_MAX_LANES = 8
 # token): 0.260 / 0.204 / 0.221 ms against 0.275 / 0.223 / 0.202 fused at C = 4096 / 2560 / 7168 on the H200
 # (2026-11-30, training_h200.json sweeps), a small gain at two widths and a loss at the third
 COEFFICIENT_PHASES = "fused"
+# kernel 2 of the pre backward on CUDA: tunings of pre_backward_lanes_program that replace its defaults (none:
+# the defaults); lane_tuning(...) sets them for a block of code, so that a benchmark can time whole sites and
+# blocks with a variant before it becomes the default
+LANE_TUNING: dict = {}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -259,7 +263,8 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
 
         splits = _lane_splits(n, C, x.device, linked)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                                   lane_splits=splits, add_dx=linked, phases=COEFFICIENT_PHASES)
+                                                   lane_splits=splits, add_dx=linked, phases=COEFFICIENT_PHASES,
+                                                   **LANE_TUNING)
         more = [dx_post.contiguous()] if linked else []
         dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
         dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
@@ -473,6 +478,29 @@ def chaining_on_cuda(enabled: bool):
         yield
     finally:
         CHAIN_ON_CUDA = saved
+
+
+LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo")
+
+
+def check_lane_tuning(tuning: dict) -> dict:
+    """The tuning itself, if its keys are among LANE_TUNABLE; else a clear error."""
+    unknown = sorted(set(tuning) - set(LANE_TUNABLE))
+    if unknown:
+        raise InputError(f"lane_tuning: expected keys among {', '.join(LANE_TUNABLE)}, got {', '.join(unknown)}")
+    return tuning
+
+
+@contextlib.contextmanager
+def lane_tuning(**tuning):
+    """Within this block, kernel 2 of the pre backward on CUDA takes these tunings (keys of LANE_TUNABLE, values
+    as pre_backward_lanes_program takes them) instead of its defaults."""
+    global LANE_TUNING
+    saved, LANE_TUNING = LANE_TUNING, dict(check_lane_tuning(tuning))
+    try:
+        yield
+    finally:
+        LANE_TUNING = saved
 
 
 def fused_projection_applies(backend: str, x: torch.Tensor) -> bool:
