@@ -88,3 +88,13 @@ def test_kernel2_steps_table_takes_a_sweep_that_ran_the_sites_splits():
     lines = text.splitlines()
     assert lines[1].startswith("kernel 2 at 16384 x 2560, ms")
     assert lines[2].split()[-2:] == ["0.500", "0.400"] and "0.700" not in text
+
+
+def test_kernel2_steps_table_reads_a_recording_the_benchmark_wrote_itself():
+    """No run names in a recording the benchmark wrote: its sweep is the one shown; with none, the message
+    gives the command that records one."""
+    row = {"add_dx": True, "token_splits": 1, "ms": 0.61}
+    text = training_lab.kernel2_steps_table(_kernel2_recording([{"tokens": 16384, "C": 4096, "lanes": [row]}]))
+    assert "0.610" in text.splitlines()[2]
+    empty = training_lab.kernel2_steps_table(_kernel2_recording([]))
+    assert training_lab.kernel2_steps_command() in empty and '"leave_out":["dphi","dx_gemm"]' in empty

@@ -14,6 +14,7 @@ Everything here runs on the CPU; on a CUDA GPU the memory figures come from the 
 from __future__ import annotations
 
 import gc
+import json
 import math
 from typing import Callable, Sequence
 
@@ -537,6 +538,16 @@ def site_table(results: dict) -> str:
     return "\n\n".join(tables)
 
 
+def kernel2_steps_command() -> str:
+    """The benchmark command that records kernel 2's steps: each leave_out prefix with dx_post, and the whole
+    kernel and its last step without."""
+    from mhc_lab.kernels.pre_backward import LANE_LEAVE_OUT_STEPS as steps
+
+    variants = [{"add_dx": True, **({"leave_out": list(steps[:k])} if k else {})} for k in range(len(steps) + 1)]
+    variants += [{}, {"leave_out": list(steps)}]
+    return f"python -m mhc_lab.bench training --parts sweep --sweep '{json.dumps(variants, separators=(',', ':'))}'"
+
+
 KERNEL2_STEP_LABELS = ("  without the dphi GEMM", "  also without the dx GEMMs",
                       "  also without the dmix operands' loads")
 
@@ -569,10 +580,13 @@ def kernel2_steps_table(recording: dict | None = None, run: str = "U") -> str:
                 return row.get("ms")
         return None
 
-    shapes = [s for s in results.get("sweeps") or [] if s.get("run") == run]
+    sweeps = results.get("sweeps") or []
+    # the named run's entries; in a recording the benchmark wrote itself (no run names), all of them
+    shapes = [s for s in sweeps if s.get("run") == run] or [s for s in sweeps if "run" not in s]
     shapes = [s for s in shapes if timed(s, True, ()) is not None]
     if not shapes:
-        return f"(no kernel 2 leave_out sweep of run {run} in mhc_lab/recorded/training_h200.json)"
+        return (f"(no kernel 2 leave_out sweep of run {run} in mhc_lab/recorded/training_h200.json; on a CUDA GPU "
+                f"{kernel2_steps_command()} records one)")
 
     labels = ("as it is",) + KERNEL2_STEP_LABELS + (f"its bytes at the copy bandwidth ({copy:.0f} GB/s)"
                                                      if copy else "its bytes at the copy bandwidth",)
