@@ -8,7 +8,6 @@
 - The ops and modules of mhc_lab.ops.training: gradcheck, both backends, recompute, torch.compile, bad input.
 """
 
-import copy
 import math
 
 import pytest
@@ -631,6 +630,20 @@ def test_cuda_split_coefficient_kernels_match_the_fused_one(n, C, tokens):
         assert _relmax(a, b) < (1e-2 if name == "dsplit" else 1e-4), name
 
 
+def _cuda_site_grads(x, phi, bias, alpha, weight, g, linked):
+    """The gradients of x, phi, bias and alpha of one site through the kernels (x as given, the rest float32)."""
+    leaves = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in (phi, bias, alpha)]
+    out = _site("kernels", *leaves, weight, linked)
+    return torch.autograd.grad(out, leaves, g.to(out.dtype))
+
+
+def _assert_site_grads_close(got, want, site):
+    """Each gradient within 2e-2 of the float64 truth, relative in norm (bf16 tolerance)."""
+    for name, a, b in zip(("x", "phi", "bias", "alpha"), got, want):
+        rel = float((a.double() - b).norm() / b.norm())
+        assert rel < 2e-2, (site, name, rel)
+
+
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
@@ -639,15 +652,9 @@ def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
     weight = torch.randn(C, C, dtype=torch.float64, device="cuda") / math.sqrt(C)
     g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
     want = _site_truth(x, phi, bias, alpha, weight, g)
-    runs = []
-    for linked in (False, True, True):
-        leaves = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in (phi, bias, alpha)]
-        out = _site("kernels", *leaves, weight, linked)
-        runs.append(torch.autograd.grad(out, leaves, g.to(out.dtype)))
+    runs = [_cuda_site_grads(x, phi, bias, alpha, weight, g, linked) for linked in (False, True, True)]
     for site, got in (("separate", runs[0]), ("linked", runs[1])):
-        for name, a, b in zip(("x", "phi", "bias", "alpha"), got, want):
-            rel = float((a.double() - b).norm() / b.norm())
-            assert rel < 2e-2, (site, name, rel)
+        _assert_site_grads_close(got, want, site)
     for name, a, again in zip(("x", "phi", "bias", "alpha"), runs[1], runs[2]):
         assert torch.equal(a, again), f"{name}: two runs differ (the backward must be deterministic)"
 
@@ -667,19 +674,13 @@ def test_cuda_site_with_a_lane_tuning_matches_float64(n, C, tokens, tuning):
     g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
     want = _site_truth(x, phi, bias, alpha, weight, g)
 
-    def grads(linked):
-        leaves = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in (phi, bias, alpha)]
-        out = _site("kernels", *leaves, weight, linked)
-        return torch.autograd.grad(out, leaves, g.to(out.dtype))
-
     for linked in (False, True):
         with lane_tuning(**tuning):
-            got = grads(linked)
-        for name, a, b in zip(("x", "phi", "bias", "alpha"), got, want):
-            rel = float((a.double() - b).norm() / b.norm())
-            assert rel < 2e-2, (linked, name, rel)
+            got = _cuda_site_grads(x, phi, bias, alpha, weight, g, linked)
+        _assert_site_grads_close(got, want, "linked" if linked else "separate")
         if tuning == {"trim_lo": True}:
-            for name, a, b in zip(("x", "phi", "bias", "alpha"), got, grads(linked)):
+            for name, a, b in zip(("x", "phi", "bias", "alpha"), got,
+                                  _cuda_site_grads(x, phi, bias, alpha, weight, g, linked)):
                 assert torch.equal(a, b), f"{name}: trim_lo changed the bits"
 
 

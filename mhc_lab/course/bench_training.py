@@ -245,9 +245,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     outputs are compared with the first's of the same add_dx without leave_out (a timing experiment's differ by
     design). A variant without "lane_splits" runs the token splits a site runs (lane_splits_for on this GPU,
     for the default tiling), recorded in its row as "token_splits"."""
-    from mhc_lab.kernels.pre_backward import (
-        coef_width, dphi_from_partial, gemm_depth, lane_splits_for, pre_backward_kernels,
-    )
+    from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
 
     x, phi, bias, alpha = _inputs(tokens, C, seed=2)
     ops = torch.ops.mhc_lab
@@ -296,8 +294,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
         row = dict(cfg)
         try:
             add_dx = bool(cfg.get("add_dx", False))
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            splits = row["token_splits"] = cfg.get("lane_splits") or lane_splits_for(n, C, sms, add_dx=add_dx)
+            splits = row["token_splits"] = cfg.get("lane_splits") or _training_ops._lane_splits(n, C, x.device, add_dx)
             _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                             **{**hashable_tuning(cfg), "lane_splits": splits})
             dx = torch.empty_like(x)

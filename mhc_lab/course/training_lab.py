@@ -30,7 +30,7 @@ from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
 )
 from mhc_lab.course.models import MLP, CausalSelfAttention
 from mhc_lab.reference.recompute import memory_without_recompute, optimal_block, recompute_memory
-from mhc_lab.ops.training import MHCResidualStream
+from mhc_lab.ops.training import LANE_TUNABLE, MHCResidualStream
 
 RECORDING = "training_h200"
 
@@ -569,8 +569,7 @@ def kernel2_steps_table(recording: dict | None = None, run: str = "U") -> str:
 
     def as_a_site_runs(shape, row):  # the splits a site runs, and no other tuning
         rule = lane_splits_for(n, shape["C"], sms, add_dx=bool(row.get("add_dx"))) if sms else None
-        tuned = set(row) & {"lane_splits", "lane_group", "block_c", "block_tokens", "stages", "threads",
-                            "dx_products", "trim_lo"}
+        tuned = set(row) & {"lane_splits", *LANE_TUNABLE}
         return row.get("token_splits", 1) == rule and not tuned
 
     def timed(shape, add_dx, left):
@@ -591,11 +590,11 @@ def kernel2_steps_table(recording: dict | None = None, run: str = "U") -> str:
     labels = ("as it is",) + KERNEL2_STEP_LABELS + (f"its bytes at the copy bandwidth ({copy:.0f} GB/s)"
                                                      if copy else "its bytes at the copy bandwidth",)
     width = max(map(len, labels)) + 2
+    steps = [tuple(LANE_LEAVE_OUT_STEPS[:k]) for k in range(len(LANE_LEAVE_OUT_STEPS) + 1)]
     lines = [recording_label(recording)]
     for s in shapes:
         title = f"kernel 2 at {s['tokens']} x {s['C']}, ms"
         lines.append(f"{title:<{width}}{'with dx_post (13C)':>20}{'without (9C)':>14}")
-        steps = [tuple(LANE_LEAVE_OUT_STEPS[:k]) for k in range(len(LANE_LEAVE_OUT_STEPS) + 1)]
         for label, left in zip(labels, steps):
             cells = [timed(s, True, left), timed(s, False, left)]
             lines.append(f"{label:<{width}}" + "".join(f"{_ms3(v):>{w}}" for v, w in zip(cells, (20, 14))))

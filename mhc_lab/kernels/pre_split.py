@@ -49,8 +49,6 @@ from mhc_lab.kernels._target import (
 )
 
 
-
-
 def phi_rows(n: int) -> int:
     """Rows of the split phi: hi (n^2+2n), lo (n^2+2n), zero padding up to a multiple of 16."""
     return round_up(2 * mixes_width(n), 16)
