@@ -45,3 +45,40 @@ def test_the_recorded_leave_out_table_renders_every_recorded_step():
             assert f"{row['time_ms']['stream.post_project']:.3f}" in text
     shapes = len(recording["results"]["leave_out_run_O"]["shapes"])
     assert all("-" not in line.split()[-shapes:] for line in text.splitlines()[2:])  # every cell measured
+
+
+STRIPPED = ["gemm", "phi", "out_tile", "mix"]
+
+
+def test_row_length_table_gives_each_box_shape_stripped_per_shape():
+    boxes = [({}, 0.34, 0.30), ({"linear_tiles": True, "block_m": 32, "block_k": 128}, 0.31, 0.27),
+             ({"linear_tiles": True, "block_m": 32, "block_k": 128, "stages": 3}, 0.311, None)]
+    shapes = []
+    for k, (tokens, C) in enumerate([(16384, 4096), (8192, 7168)]):
+        variants = [({**box, "leave_out": STRIPPED}, times[k]) for box, *times in boxes if times[k] is not None]
+        variants.append(({"linear_tiles": True}, 0.5))  # a whole kernel, not stripped: not a row of the table
+        shapes.append(_shape(tokens, C, (0.39, 0.34)[k], (0.309, 0.275)[k], variants))
+    recording = {"results": {"row_length_run_AA": {"environment": {"gpu": "Some GPU", "date": "2026-01-02"},
+                                                   "shapes": shapes}}}
+    lines = forward_lab.row_length_table(recording).splitlines()
+    assert lines[0].startswith("RECORDED on Some GPU, 2026-01-02")
+    assert lines[1].split()[-6:] == ["16384", "x", "4096", "8192", "x", "7168"]
+    assert lines[2].split()[-2:] == ["0.390", "0.340"] and lines[3] == "stripped to a plain copy, boxes of"
+    assert "64 tokens x 64 columns (128-byte rows), swizzled" in lines[4] and lines[4].split()[-2:] == ["0.340",
+                                                                                                       "0.300"]
+    assert "32 tokens x 128 columns (256-byte rows), unswizzled" in lines[5]
+    assert lines[5].split()[-2:] == ["0.310", "0.270"]
+    assert "3 stages" in lines[6] and lines[6].split()[-2:] == ["0.311", "-"]  # not timed at the second shape
+    assert lines[7].split()[-2:] == ["0.309", "0.275"] and len(lines) == 8
+
+
+def test_the_recorded_row_length_table_renders_every_stripped_variant():
+    recording = forward_lab.recorded_or_none(forward_lab.STREAM_RECORDING)
+    text = forward_lab.row_length_table(recording)
+    shapes = recording["results"]["row_length_run_AA"]["shapes"]
+    stripped = [row for s in shapes for row in s["stream_variants"] if row["tuning"].get("leave_out") == STRIPPED]
+    assert len(stripped) == 14
+    for row in stripped:
+        assert f"{row['time_ms']['stream.post_project']:.3f}" in text
+    assert "-" not in " ".join(line[-30:] for line in text.splitlines()[2:])  # every cell measured
+    assert forward_lab.row_length_table({"results": {}}).startswith("(no row-length recording")

@@ -285,6 +285,52 @@ def leave_out_table(recording: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def row_length_table(recording: dict | None = None) -> str:
+    """The fused post + projection stripped to a plain copy of its bytes (every part left out), with the lane and
+    f tiles arriving in TMA boxes of other shapes: the copy floor against the boxes' row length, the post alone
+    and the whole kernel as it is beside them (timing experiments on the H200, run AA of the recording)."""
+    recording = recording if recording is not None else recorded_or_none(STREAM_RECORDING)
+    run = ((recording or {}).get("results") or {}).get("row_length_run_AA")
+    if not run:
+        return "(no row-length recording in mhc_lab/recorded/forward_h200_stream.json)"
+    shapes, stripped = run["shapes"], list(LEAVE_OUT_STEPS)
+
+    def label(tuning):
+        tokens, columns = tuning.get("block_m", 64), tuning.get("block_k", 64)
+        layout = "unswizzled" if tuning.get("linear_tiles") else "swizzled"
+        stages = f", {tuning['stages']} stages" if "stages" in tuning else ""
+        return f"  {tokens} tokens x {columns} columns ({2 * columns}-byte rows), {layout}{stages}"
+
+    boxes = []  # the stripped variants, in the order the run timed them
+    for row in shapes[0].get("stream_variants", []):
+        tuning = row.get("tuning") or {}
+        if tuning.get("leave_out") == stripped:
+            boxes.append({k: v for k, v in tuning.items() if k != "leave_out"})
+
+    def stripped_ms(shape, box):
+        for row in shape.get("stream_variants", []):
+            tuning = dict(row.get("tuning") or {})
+            if tuning.pop("leave_out", None) == stripped and tuning == box and "time_ms" in row:
+                return row["time_ms"]["stream.post_project"]
+        return None
+
+    rows = [("the kernel as it is (64 x 64 boxes, every part)", [s["time_ms"].get("stream.post_project")
+                                                               for s in shapes])]
+    rows += [("stripped to a plain copy, boxes of", [None] * len(shapes))]
+    rows += [(label(box), [stripped_ms(s, box) for s in shapes]) for box in boxes]
+    rows.append(("the post alone (8 x 512 in registers, 1 KB rows)", [s["time_ms"].get("post") for s in shapes]))
+    width = max(len(text) for text, _ in rows) + 2
+    lines = [recording_label({"environment": run.get("environment") or recording.get("environment")}),
+             f"{'fused post + projection, ms':<{width}}" + "".join(f"{_shape_name(s):>15}" for s in shapes)]
+    for text, times in rows:
+        if not any(isinstance(t, (int, float)) for t in times):
+            lines.append(text)
+            continue
+        lines.append(f"{text:<{width}}" + "".join(f"{t:15.3f}" if isinstance(t, (int, float)) else f"{'-':>15}"
+                                                   for t in times))
+    return "\n".join(lines)
+
+
 def _shape_name(r: dict) -> str:
     return f"{r['tokens']} x {r['C']}"
 

@@ -30,7 +30,6 @@ import tilelang.language as T
 
 from mhc_lab.kernels._coefficients import mixes_width
 from mhc_lab.kernels._target import (
-    NO_WARP_SPECIALIZATION,
     SMEM_LIMIT,
     canonical_target,
     ceil_div,
@@ -90,6 +89,16 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
     per SM (32-column blocks, min_blocks_per_sm 2, no warpgroup register reallocation) were slower too: 0.411
     against 0.387 ms at 16384 x 4096, 0.454 against 0.337 at 8192 x 7168; stripped to a plain copy they gave
     0.363 against one CTA's 0.340 ms (H200, 2026-11-30, kernel notes).
+
+    Three other ways to stream were slower (H200, 2026-11-30, kernel notes, section 2). The pipeline without a
+    producer warpgroup, its loads by cp.async: 0.444 against 0.389 ms at 16384 x 4096 (0.356 against 0.340
+    stripped to a plain copy). The post's way, each thread loading its share of a column block into registers,
+    no pipeline, several CTAs per SM: 0.467 ms at best, 0.373 stripped. And the loops the other way round, a CTA
+    keeping 128 columns of phi in shared memory and walking token blocks of 32, its lane tiles arriving as
+    unswizzled TMA boxes with 256-byte rows: 0.480 ms with two consumer warpgroups (0.689 with one), 0.331
+    stripped. What sets this kernel's copy floor is the rows' length: stripped to a plain copy, 64 columns
+    (128-byte rows) took 0.343 ms swizzled or not, 128 columns of 32 tokens 0.309, the post's own time; but
+    two stages of 64 tokens x 128 columns and their phi columns do not fit in shared memory.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "gemm" the projection's tensor-core products, "phi" also phi's loads, "out_tile" also the output
@@ -219,15 +228,11 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
 
 
 @functools.lru_cache(maxsize=None)
-def post_project_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                        warp_specialized: bool = True, **tuning):
+def post_project_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", **tuning):
     """The compiled post + next projection (cached per process):
-    ``kernel(x, f, post, res, phi_next, out, partial)``. warp_specialized=False (CUDA): the same program
-    pipelined without a producer warpgroup, every thread loading its share with cp.async instead of the
-    producer's TMA boxes (another load path for the stream, to time against the default)."""
+    ``kernel(x, f, post, res, phi_next, out, partial)``."""
     t = canonical_target(target)
-    configs = None if warp_specialized or t == "c" else NO_WARP_SPECIALIZATION
-    return compile_program(post_project_program(n, C, dtype, t, **tuning), t, pass_configs=configs)
+    return compile_program(post_project_program(n, C, dtype, t, **tuning), t)
 
 
 def post_project_bytes(n: int, C: int, itemsize: int = 2, splits: int = 4) -> dict:

@@ -346,7 +346,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None,
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
-                               trim_lo: bool = False, leave_out: tuple = ()):
+                               trim_lo: bool = True, leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -357,11 +357,13 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     tiles of block_tokens, stages > 1 pipelines the token loop (default lane_stages: the most that fit in
     shared memory, up to 3 with add_dx and 2 without), dx_products 3 (dmix and phi both split into bf16
     hi + lo: hi.hi + hi.lo + lo.hi) or 1 (one GEMM, dmix_hi (phi_hi + phi_lo): dmix rounded to bf16 in the
-    dmix phi term of dx); trim_lo runs the lo.hi product over the KH rows of K that are not zero (half the
-    tensor-core instructions of that product, the same sums). threads 256 with block_tokens 128 gives each of
-    two consumer warpgroups its own 64 tokens of the tile, so that one's GEMM waits can overlap the other's
-    epilogue (at 64 tokens two warpgroups split the 32 columns instead, m64n16k16, and were slower: kernel
-    notes, version 17). trim_lo and the two warpgroups are built, not yet timed (kernel notes, 23-24).
+    dmix phi term of dx); trim_lo (the default) runs the lo.hi product over the KH rows of K that are not zero
+    (half the tensor-core instructions of that product, the same sums): 0.670 / 0.677 against 0.683 / 0.702 ms
+    with dx_post at 16384 x 4096 in two rounds of one run, level at 16384 x 2560 and 8192 x 7168 (H200,
+    2026-11-30, kernel notes, version 24). threads 256 with block_tokens 128 gives each of two consumer
+    warpgroups its own 64 tokens of the tile: slower at every width, 0.728 against 0.692 ms with dx_post at
+    16384 x 4096 (version 23; at 64 tokens two warpgroups split the 32 columns instead, m64n16k16, and were
+    slower too: version 17).
     Each lane's dphi GEMM is waited for before the next lane starts. Issued before the dx epilogue and waited
     for at the lane's end instead (the stage's release kept behind the wait), it was no faster: 0.672 against
     0.681 ms with dx_post at 16384 x 4096, slower at the other widths (H200, 2026-11-30, kernel notes).
@@ -599,7 +601,7 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
                          dx_products: int = 3, threads: int = 128, phases: str = "fused",
-                         trim_lo: bool = False, leave_out: tuple = ()):
+                         trim_lo: bool = True, leave_out: tuple = ()):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
