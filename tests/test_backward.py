@@ -121,8 +121,10 @@ def test_split_coefficient_kernels_c_target_equal_the_fused_one(n, C, tokens):
         assert _relmax(a, b) < 1e-6, name
 
 
+@pytest.mark.parametrize("lanes_grad", [True, False])
 @pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
-def test_post_backward_kernel_c_target(n, C, tokens):
+def test_post_backward_kernel_c_target(n, C, tokens, lanes_grad):
+    """lanes_grad=False: no dx argument, the other three gradients as with it."""
     from mhc_lab.kernels.post_backward import post_backward_kernel
 
     x, _, _, _, f = _site_inputs((tokens,), n, C, seed=tokens)
@@ -130,34 +132,40 @@ def test_post_backward_kernel_c_target(n, C, tokens):
     post = torch.rand(tokens, n, dtype=torch.float64) * 2
     res = torch.rand(tokens, n, n, dtype=torch.float64)
     want = post_backward(x, f, post, res, g)
+    names, want = (want._fields, want) if lanes_grad else (want._fields[1:], want[1:])
     outs = [torch.full(t.shape, float("nan")) for t in want]
-    post_backward_kernel(n, C, "float32", "c")(x.float(), f.float(), g.float(), post.float(), res.float(), *outs)
-    for name, a, b in zip(want._fields, outs, want):
+    post_backward_kernel(n, C, "float32", "c", lanes_grad=lanes_grad)(x.float(), f.float(), g.float(),
+                                                                       post.float(), res.float(), *outs)
+    for name, a, b in zip(names, outs, want):
         assert _relmax(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("linked", [False, True])
+@pytest.mark.parametrize("link", ["separate", "dx_post", "post_grad"])
 @pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
-def test_pre_backward_kernels_c_target(n, C, tokens, linked):
-    """linked: the lane kernel also adds another gradient of the lanes (the post's, in the linked site) to dx."""
+def test_pre_backward_kernels_c_target(n, C, tokens, link):
+    """dx_post: the lane kernel also adds another gradient of the lanes (the post's, in the linked site) to dx;
+    post_grad: it takes the post's output gradient g and H_res instead, and adds H_res^T g."""
     from mhc_lab.kernels.pre_backward import pre_backward_kernels
 
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens)
     dy, dpost, dres, g = _upstream((tokens,), n, C, seed=tokens + 2)
     coefficients_ref = mhc_coefficients(x, phi, bias, alpha)
     want = pre_backward(x, phi, bias, alpha, dy, dpost, dres)
-    want_dx = want.x + (g if linked else 0)
+    res = torch.rand(tokens, n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(tokens))
+    extra_dx = {"separate": 0, "dx_post": g, "post_grad": torch.einsum("tij,tic->tjc", res, g)}[link]
+    want_dx = want.x + extra_dx
     m = n * n + 2 * n
     flat = x.reshape(tokens, n * C)
     partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1)[None].float()
     pre = coefficients_ref.pre.float()
-    coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", add_dx=linked)
+    coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", add_dx=link == "dx_post",
+                                               post_grad=link == "post_grad")
     nan = float("nan")
     dpre, dlogit, dmix, extra = (torch.full((tokens, k), nan) for k in (n, m, m, 4))
     coefficients(x.float(), dy.float(), partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
                  dpre, dlogit, dmix, extra)
     dx, dphi = torch.full(x.shape, nan), torch.full((1, m, n * C), nan)
-    lanes_in = [g.float()] if linked else []
+    lanes_in = {"separate": [], "dx_post": [g.float()], "post_grad": [g.float(), res.float()]}[link]
     lanes(x.float(), dy.float(), pre, dmix, extra, phi.float(), *lanes_in, dx, dphi)
     assert _relmax(dx, want_dx) < 1e-5
     assert _relmax(dphi[0], want.phi) < 1e-5
@@ -180,6 +188,33 @@ def test_post_backward_builds_for_sm90(n, C, dtype):
     assert "warp_reduce_sum" in source
     if C % 8 == 0 and dtype != "float32":
         assert "uint4" in source  # 16-byte vector loads and stores
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n,C", [(4, 4096), (2, 40), (1, 1000), (8, 8)])
+def test_the_post_gradient_path_builds_for_sm90(n, C):
+    """post_grad: kernel 2 takes all n lanes of g per CTA, with H_res, through its pipeline (TMA); the post
+    backward without dx writes only df of the lanes' width."""
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.post_backward import post_backward_program
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+
+    lanes = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True), "sm_90")
+    source = lanes.get_kernel_source()
+    assert "wgmma" in source and "tma_load(g_desc" in source
+    assert source.count("tma_load(g_desc") == n  # one box per lane of g and stage
+    post = compile_program(post_backward_program(n, C, "bfloat16", "sm_90", lanes_grad=False), "sm_90")
+    assert "__restrict__ dx," not in post.get_kernel_source() and "__restrict__ df," in post.get_kernel_source()
+
+
+def test_the_post_gradient_path_refuses_what_it_cannot_run():
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+
+    with pytest.raises(ValueError, match="add_dx .* and post_grad .* got both"):
+        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", add_dx=True, post_grad=True)
+    with pytest.raises(ValueError, match="post_grad needs every lane in each CTA .* lane_group = n = 4, got "
+                                         "lane_group = 2"):
+        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, lane_group=2)
 
 
 @needs_nvcc
@@ -367,6 +402,54 @@ def test_ops_gradients_match_float64(backend, dtype, tol, n, C, linked):
     for name, a, b in zip(("x", "phi", "bias", "alpha"), got, want):
         assert a.dtype == leaves[("x", "phi", "bias", "alpha").index(name)].dtype, name
         assert _relmax(a, b) < tol, name
+
+
+@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("kernels", torch.float32, 2e-5),
+                                               ("kernels", torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("n,C", [(4, 24), (2, 7), (1, 5), (8, 3)])
+def test_linked_site_with_the_post_gradient_to_pre_matches_float64(monkeypatch, backend, dtype, tol, n, C):
+    """post_gradient_to_pre: the post's backward writes no dx and hands g back through link; the pre's backward
+    adds H_res^T g. Same gradients as the float64 truth; the ops see the flags decided at the forward."""
+    from mhc_lab.ops import training
+
+    calls = {"post": [], "pre": []}
+    real_post, real_pre = training.post_backward, training.pre_backward
+
+    def spy_post(*args):
+        calls["post"].append(args[6] if len(args) > 6 else True)
+        return real_post(*args)
+
+    def spy_pre(*args):
+        calls["pre"].append(args[12] if len(args) > 12 else False)
+        return real_pre(*args)
+
+    monkeypatch.setattr(training, "post_backward", spy_post)
+    monkeypatch.setattr(training, "pre_backward", spy_pre)
+    x, phi, bias, alpha, _ = _site_inputs((2, 5), n, C, seed=C + n)
+    weight = torch.randn(C, C, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) / math.sqrt(C)
+    g = _upstream((2, 5), n, C, seed=C)[3]
+    x = x.to(dtype)
+    want = _site_truth(x, phi, bias, alpha, weight, g)
+    coef_dtype = torch.float64 if backend == "reference" else torch.float32
+    leaves = [x.clone().requires_grad_()] + [t.to(coef_dtype).requires_grad_() for t in (phi, bias, alpha)]
+    with training.post_gradient_to_pre(True):
+        out = _site(backend, *leaves, weight, linked=True)
+    assert training.POST_GRADIENT_TO_PRE is False  # the flag is back; the backward keeps what the forward decided
+    got = torch.autograd.grad(out, leaves, g.to(out.dtype))
+    assert calls == {"post": [False], "pre": [True]}  # no dx from the post; the pre adds H_res^T g
+    for name, a, b in zip(("x", "phi", "bias", "alpha"), got, want):
+        assert _relmax(a, b) < tol, name
+
+
+def test_ops_gradcheck_with_the_post_gradient_to_pre():
+    from mhc_lab.ops import training
+
+    x, phi, bias, alpha, _ = _site_inputs((2, 3), 4, 5, seed=7)
+    weight = torch.randn(5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) / 3
+    leaves = [t.clone().requires_grad_() for t in (x, phi, bias, alpha)]
+    with training.post_gradient_to_pre(True):
+        assert torch.autograd.gradcheck(lambda *a: _site("reference", *a, weight, True), leaves, eps=1e-6,
+                                        atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["reference", "kernels"])
@@ -656,6 +739,25 @@ def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
     for site, got in (("separate", runs[0]), ("linked", runs[1])):
         _assert_site_grads_close(got, want, site)
     for name, a, again in zip(("x", "phi", "bias", "alpha"), runs[1], runs[2]):
+        assert torch.equal(a, again), f"{name}: two runs differ (the backward must be deterministic)"
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
+def test_cuda_linked_site_with_the_post_gradient_to_pre_matches_float64(n, C, tokens):
+    """The post's backward without dx, kernel 2 adding H_res^T g from g itself: bf16 tolerance of float64,
+    deterministic."""
+    from mhc_lab.ops.training import post_gradient_to_pre
+
+    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
+    x = x.to(torch.bfloat16)
+    weight = torch.randn(C, C, dtype=torch.float64, device="cuda") / math.sqrt(C)
+    g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
+    want = _site_truth(x, phi, bias, alpha, weight, g)
+    with post_gradient_to_pre(True):
+        runs = [_cuda_site_grads(x, phi, bias, alpha, weight, g, True) for _ in range(2)]
+    _assert_site_grads_close(runs[0], want, "linked, g to the pre")
+    for name, a, again in zip(("x", "phi", "bias", "alpha"), *runs):
         assert torch.equal(a, again), f"{name}: two runs differ (the backward must be deterministic)"
 
 

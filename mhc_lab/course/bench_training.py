@@ -571,10 +571,14 @@ def main(argv=None) -> int:
                         "kernel 1 (part 'sweep')")
     parser.add_argument("--lane-tuning", default="", help="JSON {tuning} of the pre backward's kernel 2 for the "
                         "parts site, block and host (mhc_lab.ops.training.lane_tuning; recorded as lane_tuning)")
+    parser.add_argument("--post-grad", action="store_true", help="linked and chained sites hand the post's output "
+                        "gradient to the pre's backward, which adds H_res^T g (mhc_lab.ops.training."
+                        "post_gradient_to_pre; recorded as post_gradient_to_pre)")
     args = parser.parse_args(argv)
+    import contextlib
     import json
 
-    from mhc_lab.ops.training import check_lane_tuning, lane_tuning
+    from mhc_lab.ops.training import check_lane_tuning, lane_tuning, post_gradient_to_pre
 
     tuning = check_lane_tuning(hashable_tuning(json.loads(args.lane_tuning)) if args.lane_tuning else {})
     if not torch.cuda.is_available():
@@ -588,7 +592,15 @@ def main(argv=None) -> int:
                "copy_gbps": copy_bandwidth(bench), "site": [], "block": []}
     if tuning:
         results["lane_tuning"] = tuning
-    print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else ""))
+    if args.post_grad:
+        results["post_gradient_to_pre"] = True
+    print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else "")
+          + ("; the post's output gradient to the pre" if args.post_grad else ""))
+
+    @contextlib.contextmanager
+    def configured():  # the options that the parts site, block and host run under
+        with lane_tuning(**tuning), post_gradient_to_pre(args.post_grad):
+            yield
 
     def save(final=False):
         if not args.no_save:
@@ -597,7 +609,7 @@ def main(argv=None) -> int:
     if "site" in parts:
         for s in args.shapes.split(","):
             tokens, C = (int(v) for v in s.split("x"))
-            with lane_tuning(**tuning):
+            with configured():
                 r = bench_site(tokens, C, bench, skip=skip)
             if "ours" in r["times_ms"]:
                 ms = r["times_ms"]["ours"]
@@ -615,12 +627,12 @@ def main(argv=None) -> int:
                 coefficient_variants=json.loads(args.sweep_coefficients or "[]")))
             save()
     if "host" in parts:
-        with lane_tuning(**tuning):
+        with configured():
             results["host"] = bench_host(256, 768)
         save()
     if "block" in parts:
         for w in args.widths.split(","):
-            with lane_tuning(**tuning):
+            with configured():
                 results["block"].append(bench_block(int(w), bench, skip=skip))
             save()
     results["wall_s"] = round(time.time() - t0, 1)

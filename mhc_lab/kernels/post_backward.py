@@ -37,11 +37,15 @@ def vector_width(C: int, dtype: str) -> int:
 
 
 def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                          threads: int = 256, block_tokens: int = 4):
+                          threads: int = 256, block_tokens: int = 4, lanes_grad: bool = True):
     """The tile program of the post backward for n lanes of width C.
 
     Arguments at run time: x [T, n, C], f [T, C], g [T, n, C], post [T, n] f32, res [T, n, n] f32, then the
     outputs dx [T, n, C], df [T, C], dpost [T, n] f32, dres [T, n, n] f32. T is dynamic.
+
+    lanes_grad=False: no dx (no dx argument either). A linked site's pre backward can add H_res^T g to its own
+    dx in the pass that writes it, from g itself (pre_backward_lanes_program's post_grad), so the post's
+    backward need not write dx for it to read back: 4C fewer bytes per token at n = 4 (10C instead of 14C).
     """
     t = _check(n, C, dtype, target)
     NT = T.dynamic("T")
@@ -64,7 +68,8 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                         for c in T.serial(C):
                             gs = [T.cast(g[tok, i, c], "float32") for i in lanes]
                             for j in lanes:
-                                dx[tok, j, c] = T.cast(sum([res[tok, i, j] * gs[i] for i in lanes]), dtype)
+                                if dx is not None:
+                                    dx[tok, j, c] = T.cast(sum([res[tok, i, j] * gs[i] for i in lanes]), dtype)
                                 for i in lanes:
                                     acc[i * n + j] += gs[i] * T.cast(x[tok, j, c], "float32")
                             df[tok, c] = T.cast(sum([post[tok, i] * gs[i] for i in lanes]), dtype)
@@ -75,7 +80,7 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                             for j in T.serial(n):
                                 dres[tok, i, j] = acc[i * n + j]
 
-        return _post_backward_func(body_c, n, C, dtype, NT)
+        return _post_backward_func(body_c, n, C, dtype, NT, lanes_grad)
 
     V = vector_width(C, dtype)
     WARPS = threads // 32
@@ -116,16 +121,18 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                             gs = [T.cast(gv[i, v], "float32") for i in lanes]
                             fs = T.cast(fv[v], "float32")
                             xs = [T.cast(xv[j, v], "float32") for j in lanes]
-                            for j in lanes:
-                                dxv[j, v] = T.cast(sum([coef[i * n + j] * gs[i] for i in lanes]), dtype)
+                            if dx is not None:
+                                for j in lanes:
+                                    dxv[j, v] = T.cast(sum([coef[i * n + j] * gs[i] for i in lanes]), dtype)
                             dfv[v] = T.cast(sum([coef[NR + i] * gs[i] for i in lanes]), dtype)
                             for i in lanes:
                                 for j in lanes:
                                     acc[i * n + j] += gs[i] * xs[j]
                                 acc[NR + i] += gs[i] * fs
-                        for j in T.unroll(n):
-                            for v in T.vectorized(V):
-                                dx[tok, j, c0 + v] = dxv[j, v]
+                        if dx is not None:
+                            for j in T.unroll(n):
+                                for v in T.vectorized(V):
+                                    dx[tok, j, c0 + v] = dxv[j, v]
                         for v in T.vectorized(V):
                             df[tok, c0 + v] = dfv[v]
                 for q in T.unroll(NQ):
@@ -136,11 +143,22 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
                         for j in T.unroll(n):
                             dres[tok, i, j] = acc[i * n + j]
 
-    return _post_backward_func(body_cuda, n, C, dtype, NT)
+    return _post_backward_func(body_cuda, n, C, dtype, NT, lanes_grad)
 
 
-def _post_backward_func(body, n, C, dtype, NT):
-    """The PrimFunc around a target's body (C or CUDA)."""
+def _post_backward_func(body, n, C, dtype, NT, lanes_grad):
+    """The PrimFunc around a target's body (C or CUDA), with or without the dx output."""
+    if not lanes_grad:
+
+        @T.prim_func
+        def post_backward_without_dx(
+            x: T.Tensor((NT, n, C), dtype), f: T.Tensor((NT, C), dtype), g: T.Tensor((NT, n, C), dtype),
+            post: T.Tensor((NT, n), "float32"), res: T.Tensor((NT, n, n), "float32"),
+            df: T.Tensor((NT, C), dtype), dpost: T.Tensor((NT, n), "float32"), dres: T.Tensor((NT, n, n), "float32"),
+        ):
+            body(x, f, g, post, res, None, df, dpost, dres)
+
+        return post_backward_without_dx
 
     @T.prim_func
     def post_backward(
@@ -155,13 +173,17 @@ def _post_backward_func(body, n, C, dtype, NT):
 
 
 @functools.lru_cache(maxsize=None)
-def post_backward_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
-    """The compiled post backward (cached per process): ``kernel(x, f, g, post, res, dx, df, dpost, dres)``."""
-    return compile_program(post_backward_program(n, C, dtype, target, threads=threads), target)
+def post_backward_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256,
+                         lanes_grad: bool = True):
+    """The compiled post backward (cached per process): ``kernel(x, f, g, post, res, dx, df, dpost, dres)``,
+    without dx when lanes_grad is False."""
+    return compile_program(post_backward_program(n, C, dtype, target, threads=threads, lanes_grad=lanes_grad),
+                           target)
 
 
-def post_backward_bytes(n: int, C: int, itemsize: int = 2) -> dict:
-    """Least bytes per token the post backward must move, and its FLOPs per token."""
+def post_backward_bytes(n: int, C: int, itemsize: int = 2, lanes_grad: bool = True) -> dict:
+    """Least bytes per token the post backward must move (without dx when lanes_grad is False), and its FLOPs
+    per token."""
     read = (2 * n + 1) * C * itemsize + (n * n + n) * 4
-    write = (n + 1) * C * itemsize + (n * n + n) * 4
+    write = ((n + 1) if lanes_grad else 1) * C * itemsize + (n * n + n) * 4
     return {"read": read, "write": write, "total": read + write, "flops": 4 * n * (n + 1) * C}

@@ -346,12 +346,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None,
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
-                               trim_lo: bool = True, leave_out: tuple = ()):
+                               trim_lo: bool = True, post_grad: bool = False, leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
-    dx in the same pass, then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC] f32 on the C target
-    (dphi itself); on CUDA [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it).
+    dx in the same pass, or (if post_grad) the linked post's output gradient g [T, n, C] and its res [T, n, n]
+    f32, of which H_res^T g is added to dx in the same pass (so the post's backward need not write dx: 42C per
+    chained site instead of 46C; each CTA then takes all n lanes, since each lane's dx needs every lane of g);
+    then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC] f32 on the C target (dphi itself); on CUDA
+    [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it).
 
     CUDA tuning: lane_group lanes per CTA (default lane_tiling(n, add_dx), which also picks block_c), token
     tiles of block_tokens, stages > 1 pipelines the token loop (default lane_stages: the most that fit in
@@ -375,16 +378,20 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
     what is left is the stream of x, dy (and dx_post) through the pipeline and the dx epilogue."""
     t = _check("pre backward (lanes)", n, C, dtype, target)
+    if add_dx and post_grad:
+        raise ValueError("pre backward (lanes): add_dx (the post's dx) and post_grad (the post's g, whose H_res^T g "
+                         "this kernel computes) are two ways to the same term; got both")
     M = mixes_width(n)
     K = n * C
     NT = T.dynamic("T")
     S = splits
+    lanes = list(range(n))
 
     if t == "c":
         BCc = 8
 
         @T.macro
-        def body(x, dy, pre, dmix, extra, phi, dx_post, dx, dphi_partial):
+        def body(x, dy, pre, dmix, extra, phi, dx_post, g, res, dx, dphi_partial):
             with T.Kernel(T.ceildiv(C, BCc)) as bc:
                 acc = T.alloc_local((1,), "float32")
                 for cc in T.serial(BCc):
@@ -397,6 +404,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                         + T.float32(2) * extra[tok, 3] * T.cast(x[tok, j, col], "float32"))
                                 if dx_post is not None:
                                     v = v + T.cast(dx_post[tok, j, col], "float32")
+                                if g is not None:
+                                    v = v + sum([res[tok, i, j] * T.cast(g[tok, i, col], "float32") for i in lanes])
                                 dx[tok, j, col] = T.cast(v, dtype)
                             for q in T.serial(M):
                                 acc[0] = T.float32(0)
@@ -413,9 +422,22 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 phi: T.Tensor((M, K), "float32"), dx_post: T.Tensor((NT, n, C), dtype),
                 dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
             ):
-                body(x, dy, pre, dmix, extra, phi, dx_post, dx, dphi_partial)
+                body(x, dy, pre, dmix, extra, phi, dx_post, None, None, dx, dphi_partial)
 
             return lanes_backward_c_add
+
+        if post_grad:
+
+            @T.prim_func
+            def lanes_backward_c_post_grad(
+                x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
+                dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+                phi: T.Tensor((M, K), "float32"), g: T.Tensor((NT, n, C), dtype), res: T.Tensor((NT, n, n), "float32"),
+                dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
+            ):
+                body(x, dy, pre, dmix, extra, phi, None, g, res, dx, dphi_partial)
+
+            return lanes_backward_c_post_grad
 
         @T.prim_func
         def lanes_backward_c(
@@ -424,7 +446,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             phi: T.Tensor((M, K), "float32"),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
         ):
-            body(x, dy, pre, dmix, extra, phi, None, dx, dphi_partial)
+            body(x, dy, pre, dmix, extra, phi, None, None, None, dx, dphi_partial)
 
         return lanes_backward_c
 
@@ -432,21 +454,24 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
-    default_lanes, default_columns = lane_tiling(n, add_dx)
+    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad)
     LG, BC = lane_group or default_lanes, block_c or default_columns
     if n % LG:
         raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
+    if post_grad and LG != n:
+        raise ValueError(f"pre backward (lanes): post_grad needs every lane in each CTA (each lane's dx takes all n "
+                         f"lanes of g), so lane_group = n = {n}, got lane_group = {LG}")
     group = list(range(LG))
-    stages = stages or lane_stages(n, LG, BT, BC, add_dx)
+    stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad)
     CP = coef_width(n)
-    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx)
+    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad)
     if smem > SMEM_LIMIT:
         raise ValueError(f"pre backward (lanes): {LG} lanes x {BC} columns x {BT} tokens in {stages} stages "
                          f"{'with dx_post ' if add_dx else ''}need {smem} bytes of shared memory, more than the "
                          f"{SMEM_LIMIT} a CTA may use; take fewer lanes (lane_group), columns or stages")
 
     @T.macro
-    def body(x, dy, dsplit, coef, phi, dx_post, dx, dphi_partial):
+    def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial):
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
             phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]  # [phi_hi; phi_lo]
             a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
@@ -458,6 +483,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             acc = T.alloc_fragment((BT, BC), "float32")
             dxf = T.alloc_fragment((BT, BC), dtype)
             dps = [T.alloc_shared((BT, BC), dtype) for _ in group] if dx_post is not None else None
+            gs = [T.alloc_shared((BT, BC), dtype) for _ in lanes] if g is not None else None
+            res_s = T.alloc_shared((BT, n, n), "float32") if g is not None else None
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
             c0 = bc * BC
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
@@ -486,6 +513,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     T.copy(x[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], xs[jj])
                     if dps is not None:
                         T.copy(dx_post[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], dps[jj])
+                if gs is not None:
+                    for i in lanes:
+                        T.copy(g[t0 : t0 + BT, i, c0 : c0 + BC], gs[i])
+                    T.copy(res[t0 : t0 + BT, 0:n, 0:n], res_s)
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
                 for jj in group:
                     j = lg * LG + jj
@@ -502,6 +533,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                              + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
                         if dps is not None:  # the post's gradient of the same lanes, read once
                             v = v + T.cast(dps[jj][tt, c], "float32")
+                        if gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA)
+                            v = v + sum([res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32") for i in lanes])
                         dxf[tt, c] = T.cast(v, dtype)
                     T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
                     if "dphi" not in left:
@@ -521,9 +554,22 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             dx_post: T.Tensor((NT, n, C), dtype),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
         ):
-            body(x, dy, dsplit, coef, phi, dx_post, dx, dphi_partial)
+            body(x, dy, dsplit, coef, phi, dx_post, None, None, dx, dphi_partial)
 
         return lanes_backward_cuda_add
+
+    if post_grad:
+
+        @T.prim_func
+        def lanes_backward_cuda_post_grad(
+            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), dsplit: T.Tensor((NT, 3, K2), "bfloat16"),
+            coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"),
+            g: T.Tensor((NT, n, C), dtype), res: T.Tensor((NT, n, n), "float32"),
+            dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
+        ):
+            body(x, dy, dsplit, coef, phi, None, g, res, dx, dphi_partial)
+
+        return lanes_backward_cuda_post_grad
 
     @T.prim_func
     def lanes_backward_cuda(
@@ -531,12 +577,12 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"),
         dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
     ):
-        body(x, dy, dsplit, coef, phi, None, dx, dphi_partial)
+        body(x, dy, dsplit, coef, phi, None, None, None, dx, dphi_partial)
 
     return lanes_backward_cuda
 
 
-def lane_tiling(n: int, add_dx: bool = False) -> tuple[int, int]:
+def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False) -> tuple[int, int]:
     """(lanes per CTA, columns per CTA) of kernel 2 on CUDA: 2 lanes (1 for odd n); with dx_post 32 columns,
     without it the most columns (64 or 32) whose dphi accumulators, lanes x 2 gemm_depth(n) x columns float32,
     stay within 128 registers per thread of a 128-thread CTA. On the H200 at n = 4 (2026-11-30):
@@ -544,39 +590,46 @@ def lane_tiling(n: int, add_dx: bool = False) -> tuple[int, int]:
       they leave the shared memory to stage the linked site's dx_post;
     - with dx_post, 32 columns in 3 stages beat 64 in 2: 0.481 / 0.673 / 0.621 against 0.514 / 0.723 / 0.668
       ms at C = 2560 / 4096 / 7168 (more CTAs, a deeper pipeline in the same shared memory);
-    - without it they lose: 0.413 / 0.562 / 0.519 against 0.376 / 0.513 / 0.493."""
+    - without it they lose: 0.413 / 0.562 / 0.519 against 0.376 / 0.513 / 0.493.
+    With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit)."""
+    if post_grad:
+        return n, 32 if n <= 4 else 16
     lanes = 2 if n % 2 == 0 else 1
     if add_dx or lanes * 2 * gemm_depth(n) * 64 > 128 * 128:
         return lanes, 32
     return lanes, 64
 
 
-def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool) -> int:
+def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool, post_grad: bool = False) -> int:
     """Kernel 2's pipeline depth on CUDA: the most stages whose tiles fit in shared memory, up to 3 with dx_post
-    and 2 without (lane_tiling's measurements; n = 8 with dx_post fits 2)."""
-    for stages in range(3 if add_dx else 2, 1, -1):
-        if lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx) <= SMEM_LIMIT:
+    or g and 2 without (lane_tiling's measurements; n = 8 with dx_post fits 2)."""
+    for stages in range(3 if add_dx or post_grad else 2, 1, -1):
+        if lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx, post_grad) <= SMEM_LIMIT:
             return stages
     return 1
 
 
-def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stages: int, add_dx: bool) -> int:
+def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stages: int, add_dx: bool,
+                       post_grad: bool = False) -> int:
     """Shared memory of kernel 2 on CUDA, at most: phi's columns; per stage the three dmix operands, the
-    coefficients, the lanes' x tiles, the dy tile and (add_dx) the lanes' dx_post tiles."""
+    coefficients, the lanes' x tiles, the dy tile and (add_dx) the lanes' dx_post tiles or (post_grad) the n
+    lanes' g tiles and the tokens' H_res."""
     k2 = 2 * gemm_depth(n)
     staged = (3 * block_tokens * k2 * 2 + block_tokens * coef_width(n) * 4
               + (lanes * (2 if add_dx else 1) + 1) * block_tokens * block_c * 2)
+    if post_grad:
+        staged += n * block_tokens * block_c * 2 + block_tokens * n * n * 4
     return lanes * k2 * block_c * 2 + stages * staged
 
 
-def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, least_efficiency: float = 0.9,
-                    most: int = 32) -> int:
+def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad: bool = False,
+                    least_efficiency: float = 0.9, most: int = 32) -> int:
     """Token splits S of kernel 2 on CUDA for a GPU with `sms` SMs. Its shared memory holds one CTA per SM,
     so its (column blocks x S) CTAs run in waves of `sms`; the last wave's empty SMs are lost time (at
     16384 x 2560 on the H200, 40 column blocks x 4 splits = 160 CTAs took 0.60 ms, more than 64 x 4 = 256
     CTAs at C = 4096 took). The smallest S whose waves are at least `least_efficiency` full, else the fullest
     (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum)."""
-    lanes, columns = lane_tiling(n, add_dx)
+    lanes, columns = lane_tiling(n, add_dx, post_grad)
     blocks = -(-C // columns) * (n // lanes)
 
     def fullness(splits: int) -> float:
@@ -601,7 +654,7 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
                          dx_products: int = 3, threads: int = 128, phases: str = "fused",
-                         trim_lo: bool = True, leave_out: tuple = ()):
+                         trim_lo: bool = True, post_grad: bool = False, leave_out: tuple = ()):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -624,5 +677,6 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
                                    "threads": threads, "trim_lo": trim_lo, "leave_out": leave_out}
-    lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, **lanes_kw), t)
+    lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, post_grad=post_grad,
+                                                       **lanes_kw), t)
     return coefficients, lanes

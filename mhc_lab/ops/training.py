@@ -114,11 +114,12 @@ def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
 
 
-def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool) -> int:
+def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool, post_grad: bool = False) -> int:
     """Token splits of the pre backward's lane kernel: its CTAs in waves that fill the GPU's SMs."""
     from mhc_lab.kernels.pre_backward import lane_splits_for
 
-    return lane_splits_for(n, C, torch.cuda.get_device_properties(device).multi_processor_count, add_dx=add_dx)
+    return lane_splits_for(n, C, torch.cuda.get_device_properties(device).multi_processor_count, add_dx=add_dx,
+                           post_grad=post_grad)
 
 
 def _no_autocast(fn):
@@ -239,15 +240,20 @@ def _(x, phi, bias, alpha, backend, partial_in=None):
 @_no_autocast
 def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
                  partial: torch.Tensor, res: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor,
-                 dx_post: Optional[torch.Tensor], backend: str
+                 dx_post: Optional[torch.Tensor], backend: str, post_grad: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res, and dx_post, the
-    gradient of link when a post_forward_linked used it (the post's gradient of the lanes), added to dx."""
+    gradient of link when a post_forward_linked used it (the post's gradient of the lanes), added to dx. With
+    post_grad, dx_post is instead the linked post's output gradient g, and H_res^T g is added (computed here,
+    in the pass that writes dx, so that the post's backward need not write it)."""
     tokens, n, C = x.shape
     linked = dx_post is not None
+    post_grad = post_grad and linked
     if backend == "reference":
         cd = res.dtype
         grads = reference_pre_backward(x, phi, bias, alpha, dy, dpost, dres)
+        if post_grad:
+            dx_post = torch.einsum("tij,tic->tjc", res.to(cd), dx_post.to(cd))
         dx = grads.x + dx_post.to(cd) if linked else grads.x
         return tuple(t.to(leaf.dtype).contiguous() for t, leaf in zip((dx, *grads[1:]), (x, phi, bias, alpha)))
     m = mixes_width(n)
@@ -261,11 +267,13 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
     if x.device.type == "cuda":
         from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth
 
-        splits = _lane_splits(n, C, x.device, linked)
+        splits = _lane_splits(n, C, x.device, linked and not post_grad, post_grad)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                                   lane_splits=splits, add_dx=linked, phases=COEFFICIENT_PHASES,
-                                                   **LANE_TUNING)
+                                                   lane_splits=splits, add_dx=linked and not post_grad,
+                                                   post_grad=post_grad, phases=COEFFICIENT_PHASES, **LANE_TUNING)
         more = [dx_post.contiguous()] if linked else []
+        if post_grad:
+            more.append(res.float().contiguous())
         dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
         dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
         coef = torch.empty((tokens, coef_width(n)), **f32)
@@ -279,12 +287,15 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
             dphi_partial.zero_()
         dphi = dphi_from_partial(dphi_partial, n)
     else:
-        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=linked)
+        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0],
+                                                   add_dx=linked and not post_grad, post_grad=post_grad)
         dphi_partial = torch.empty((1, m, n * C), **f32)
         if tokens:
             x32, dy32 = x.float().contiguous(), dy.float().contiguous()
             dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
             more = [dx_post.float().contiguous()] if linked else []
+            if post_grad:
+                more.append(res.float().contiguous())
             coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
             lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, *more, dx32, dphi_partial)
             if dx32 is not dx:
@@ -296,7 +307,7 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
 
 
 @pre_backward.register_fake
-def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, backend):
+def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, backend, post_grad=False):
     return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
 
 
@@ -304,6 +315,7 @@ def _pre_setup_context(ctx, inputs, output):
     x, phi, bias, alpha, backend, partial_in = inputs
     _, _, res, pre, partial, _ = output
     ctx.backend = backend
+    ctx.post_grad = POST_GRADIENT_TO_PRE  # what a linked post's backward hands back through link (decided now)
     ctx.save_for_backward(x, phi, bias, alpha, pre, partial if partial_in is None else partial_in, res)
     ctx.mark_non_differentiable(pre, partial)
     # an unused output's gradient must arrive as None: materialised, the unused link would hand the backward a
@@ -318,7 +330,8 @@ def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
     dres = torch.zeros((x.shape[0], x.shape[1], x.shape[1]), dtype=pre.dtype, device=x.device) if dres is None else dres
     dx_post = None if dlink is None else dlink.contiguous()
     dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res, dy.contiguous(),
-                                           dpost.contiguous(), dres.contiguous(), dx_post, ctx.backend)
+                                           dpost.contiguous(), dres.contiguous(), dx_post, ctx.backend,
+                                           ctx.post_grad)
     return dx, dphi, dbias, dalpha, None, None
 
 
@@ -345,39 +358,50 @@ def _(x, f, post, res, backend):
 @torch.library.custom_op("mhc_lab::post_backward", mutates_args=())
 @_no_autocast
 def post_backward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, g: torch.Tensor,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, df, dpost, dres) of post_forward, given the gradient g of the next lanes."""
+                  backend: str, lanes_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """(dx, df, dpost, dres) of post_forward, given the gradient g of the next lanes; without lanes_grad dx is
+    not computed (an empty tensor in its place): a linked pre's backward adds H_res^T g itself."""
     tokens, n, C = x.shape
     if backend == "reference":
         grads = reference_post_backward(x, f, post, res, g)
-        return tuple(gr.to(leaf.dtype).contiguous() for gr, leaf in zip(grads, (x, f, post, res)))
+        out = [gr.to(leaf.dtype).contiguous() for gr, leaf in zip(grads, (x, f, post, res))]
+        return (out[0] if lanes_grad else _no_lanes_grad(x), *out[1:])
     from mhc_lab.kernels.post_backward import post_backward_kernel
 
     f32 = dict(dtype=torch.float32, device=x.device)
     dpost, dres = torch.empty((tokens, n), **f32), torch.empty((tokens, n, n), **f32)
-    dx, df = torch.empty_like(x), torch.empty_like(f)
+    dx, df = torch.empty_like(x) if lanes_grad else _no_lanes_grad(x), torch.empty_like(f)
     post32, res32 = post.float().contiguous(), res.float().contiguous()
     if tokens == 0:
         return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
     if x.device.type == "cuda":
         dtype = _DTYPE_NAMES[x.dtype]
         with torch.cuda.device(x.device):
-            post_backward_kernel(n, C, dtype, "cuda")(x.contiguous(), f.contiguous(), g.contiguous(), post32, res32,
-                                                      dx, df, dpost, dres)
+            post_backward_kernel(n, C, dtype, "cuda", lanes_grad=lanes_grad)(
+                x.contiguous(), f.contiguous(), g.contiguous(), post32, res32, *([dx] if lanes_grad else []), df,
+                dpost, dres)
     else:
         args = [t.float().contiguous() for t in (x, f, g)]
-        dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
+        dx32 = dx if x.dtype == torch.float32 or not lanes_grad else torch.empty(x.shape, **f32)
         df32 = df if x.dtype == torch.float32 else torch.empty(f.shape, **f32)
-        post_backward_kernel(n, C, "float32", "c")(args[0], args[1], args[2], post32, res32, dx32, df32, dpost, dres)
+        post_backward_kernel(n, C, "float32", "c", lanes_grad=lanes_grad)(
+            args[0], args[1], args[2], post32, res32, *([dx32] if lanes_grad else []), df32, dpost, dres)
         if dx32 is not dx:
             dx.copy_(dx32)
+        if df32 is not df:
             df.copy_(df32)
     return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
 
 
+def _no_lanes_grad(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((0,))
+
+
 @post_backward.register_fake
-def _(x, f, post, res, g, backend):
-    return torch.empty_like(x), torch.empty_like(f), torch.empty_like(post), torch.empty_like(res)
+def _(x, f, post, res, g, backend, lanes_grad=True):
+    return (torch.empty_like(x) if lanes_grad else _no_lanes_grad(x)), torch.empty_like(f), torch.empty_like(post), \
+        torch.empty_like(res)
 
 
 def _post_setup_context(ctx, inputs, output):
@@ -467,6 +491,28 @@ def _(x, link, f, post, res, backend, phi_next=None):
 # turns them off for a block of code (the benchmarks time both designs). On the CPU sites always chain.
 CHAIN_ON_CUDA = True
 
+# A linked site's backward, two ways. False: the post's backward writes H_res^T g (the lanes' gradient through
+# the post) and the pre's backward reads it back and adds it to its dx (46C per chained site at n = 4). True:
+# the post's backward hands g itself back through link and writes no dx; the pre's kernel 2, which holds all
+# n lanes per CTA for it, adds H_res^T g in the pass that writes dx (42C per chained site). Decided at the
+# forward, for both ops of a site at once. Slower on the H200 (2026-11-30): chained sites 1.465 / 2.129 / 1.869
+# ms as CUDA graphs against 1.402 / 1.997 / 1.787 at 16384 x 2560, 16384 x 4096, 8192 x 7168 in the same run
+# (kernel 2 with four lanes per CTA costs more than the post's 4C of writes saved; kernel notes, version 25).
+# So off; post_gradient_to_pre(True) turns it on for a block of code.
+POST_GRADIENT_TO_PRE = False
+
+
+@contextlib.contextmanager
+def post_gradient_to_pre(enabled: bool):
+    """Within this block, linked sites hand the post's output gradient to the pre's backward (enabled), which
+    adds H_res^T g to its dx, instead of the post's backward writing H_res^T g for the pre to read back."""
+    global POST_GRADIENT_TO_PRE
+    saved, POST_GRADIENT_TO_PRE = POST_GRADIENT_TO_PRE, bool(enabled)
+    try:
+        yield
+    finally:
+        POST_GRADIENT_TO_PRE = saved
+
 
 @contextlib.contextmanager
 def chaining_on_cuda(enabled: bool):
@@ -515,14 +561,17 @@ def fused_projection_applies(backend: str, x: torch.Tensor) -> bool:
 def _post_linked_setup_context(ctx, inputs, output):
     x, _, f, post, res, backend, _ = inputs
     ctx.backend = backend
+    ctx.post_grad = POST_GRADIENT_TO_PRE  # as the linked pre_forward decided it, in the same forward
     ctx.save_for_backward(x, f, post, res)
     ctx.mark_non_differentiable(output[1])
 
 
 def _post_linked_backward(ctx, g, _dpartial):
     x, f, post, res = ctx.saved_tensors
-    dx, df, dpost, dres = post_backward(x, f, post, res, g.contiguous(), ctx.backend)
-    return None, dx, df, dpost, dres, None, None
+    g = g.contiguous()
+    dx, df, dpost, dres = post_backward(x, f, post, res, g, ctx.backend, not ctx.post_grad)
+    # the lanes' gradient goes back through link: H_res^T g, or g itself for the pre's backward to finish
+    return None, g if ctx.post_grad else dx, df, dpost, dres, None, None
 
 
 post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
