@@ -390,9 +390,6 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
             shape = (batch, seq, width) if kind == "residual" else (batch, seq, N, width)
             h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-            fn = block
-            if kind == "mhc_compiled":
-                fn = torch.compile(block)
             if kind == "mhc_ours_recompute":
                 import functools
 
@@ -404,6 +401,8 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
 
                 def fn(h, block=block):
                     return checkpoint(block, h, use_reentrant=False, context_fn=context)
+            else:
+                fn = torch.compile(block) if kind == "mhc_compiled" else block
 
             def step(fn=fn, h=h, g=g, chain=chained.get(kind)):
                 with contextlib.nullcontext() if chain is None else chaining_on_cuda(chain):
