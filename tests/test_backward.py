@@ -99,6 +99,7 @@ def test_sinkhorn_backward_by_recompute_equals_autograd(n):
 # ----------------------------------------------------------------------------------------- C-target kernels
 
 KERNEL_CASES = [(4, 37, 5), (4, 8, 1), (1, 9, 7), (2, 24, 13), (8, 5, 3)]
+needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found: the sm_90 build check needs it")
 
 
 @pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
@@ -119,6 +120,45 @@ def test_split_coefficient_kernels_c_target_equal_the_fused_one(n, C, tokens):
         outs[phases] = got
     for name, a, b in zip(("dpre", "dlogit", "dmix", "extra"), outs["split"], outs["fused"]):
         assert _relmax(a, b) < 1e-6, name
+
+
+@pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
+def test_coefficient_kernel_keeping_the_sinkhorn_sums_c_target(n, C, tokens):
+    """keep_sums: the Sinkhorn backward multiplies by the kept sums instead of dividing by the reciprocals;
+    the same gradients up to float32 rounding, and the float64 truth's within the usual tolerance."""
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
+
+    x, phi, bias, alpha, _ = (t.float() for t in _site_inputs((tokens,), n, C, seed=tokens))
+    dy, dpost, dres, _ = (t.float() for t in _upstream((tokens,), n, C, seed=tokens + 4))
+    flat = x.reshape(tokens, n * C)
+    partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1)[None]
+    m = n * n + 2 * n
+    want = pre_backward(*(t.double() for t in (x, phi, bias, alpha, dy, dpost, dres)))
+    outs = {}
+    for keep in (False, True):
+        kernel = compile_program(pre_backward_coefficients_program(n, C, "float32", "c", keep_sums=keep), "c")
+        got = [torch.full((tokens, k), float("nan")) for k in (n, m, m, 4)]
+        kernel(x, dy, partial, bias, alpha, dpost, dres, *got)
+        outs[keep] = got
+    for name, a, b in zip(("dpre", "dlogit", "dmix", "extra"), outs[True], outs[False]):
+        assert _relmax(a, b) < 1e-5, name
+    assert _relmax(outs[True][1].sum(0), want.bias) < 1e-5
+    assert _relmax(outs[True][3][:, :3].sum(0), want.alpha) < 1e-4
+
+
+@needs_nvcc
+@pytest.mark.parametrize("phases", ["fused", "split"])
+def test_coefficient_kernel_keeping_the_sinkhorn_sums_builds_for_sm90(phases):
+    """Fewer divisions in the per-token chain: the backward's undo becomes a multiplication."""
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
+
+    sources = [compile_program(pre_backward_coefficients_program(4, 4096, "bfloat16", "sm_90", phases=phases,
+                                                                 keep_sums=keep), "sm_90").get_kernel_source()
+               for keep in (False, True)]
+    divisions = [src.count(" / ") for src in sources]
+    assert divisions[1] < divisions[0], divisions
 
 
 @pytest.mark.parametrize("lanes_grad", [True, False])
@@ -174,7 +214,7 @@ def test_pre_backward_kernels_c_target(n, C, tokens, link):
     assert _relmax(dpre, torch.einsum("tc,tjc->tj", dy, x)) < 1e-5
 
 
-needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found: the sm_90 build check needs it")
+
 
 
 @needs_nvcc

@@ -25,10 +25,11 @@ def mixes_width(n: int) -> int:
     return n * n + 2 * n
 
 
-def _sinkhorn_macros(n: int, eps: float):
+def _sinkhorn_macros(n: int, eps: float, sums_at: int | None = None):
     """The DeepSeek-V4 Sinkhorn's pieces on a thread-local comb [n * n] (row-major), shared by the forward
     and the backward: the row softmax of the logits, a column step and a row step. A step divides by the
-    column (row) sums + eps; given an array ``inv`` it also keeps the n reciprocals at ``inv[step * n:]``."""
+    column (row) sums + eps; given an array ``inv`` it also keeps the n reciprocals at ``inv[step * n:]``, and
+    with ``sums_at`` the n sums + eps themselves at ``inv[sums_at + step * n:]``."""
     rows = list(range(n))
 
     @T.macro
@@ -49,9 +50,12 @@ def _sinkhorn_macros(n: int, eps: float):
     def normalise(comb, inv, step, at):
         """One Sinkhorn step over the n lines of comb; at(line, k) is the flat index of a line's k-th entry."""
         for a in T.unroll(n):
-            scale = T.float32(1.0) / (sum([comb[at(a, b)] for b in rows]) + T.float32(eps))
+            total = sum([comb[at(a, b)] for b in rows]) + T.float32(eps)
+            scale = T.float32(1.0) / total
             if inv is not None:
                 inv[step * n + a] = scale
+                if sums_at is not None:
+                    inv[sums_at + step * n + a] = total
             for b in T.unroll(n):
                 comb[at(a, b)] = comb[at(a, b)] * scale
 
@@ -132,12 +136,13 @@ def sinkhorn_steps(iterations: int) -> int:
 
 
 def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps: float = 1e-6,
-                               rms_eps: float = 1e-6):
+                               rms_eps: float = 1e-6, keep_sums: bool = False):
     """A T.macro ``coefficients_backward(mix, alpha, bias, dpre, dpost, dres, comb, dcomb, inv, dlogit, dmix,
     extra)``: the backward of ``coefficient_macro`` for one token, all in thread-local arrays.
 
     In: mix [n^2+2n+1] (raw projections, then sum(x^2)), dpre, dpost [n], dres [n*n] with dres[i*n+j] the
-    gradient of H_res[i, j]. Scratch: comb, dcomb [n*n], inv [sinkhorn_steps(t) * n].
+    gradient of H_res[i, j]. Scratch: comb, dcomb [n*n], inv [sinkhorn_steps(t) * n], twice that with
+    keep_sums.
     Out: dlogit [n^2+2n] (the gradient of each pre-activation, which is also the bias gradient), dmix
     [n^2+2n] (the gradient of each raw projection: dlogit * alpha_k * r), extra [4] = the three alpha
     gradients and the gradient of sum(x^2).
@@ -145,23 +150,30 @@ def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps:
     The Sinkhorn backward recomputes the forward on chip and keeps only each step's n reciprocal sums
     (t = 20, n = 4: 156 floats), never the intermediate matrices. A row step Q = P / (rowsum(P) + eps)
     has the backward dP = (dQ - rowsum(dQ * Q)) / (rowsum(P) + eps), which needs Q (the state after the
-    step) and the reciprocal; the state before the step is recovered as P = Q / reciprocal.
+    step) and the reciprocal; the state before the step is recovered as P = Q / reciprocal. With keep_sums the
+    forward also keeps each step's sums, and P = Q * sum: a multiplication where the default divides (n^2
+    IEEE divisions per step in each token's serial chain; the two differ in the last bits).
     """
     m = mixes_width(n)
     k = n * width
     rows = list(range(n))
     groups = [list(range(n)), list(range(n, 2 * n)), list(range(2 * n, m))]
 
-    softmax_rows, column_step, row_step = _sinkhorn_macros(n, eps)
+    sums_at = sinkhorn_steps(iterations) * n if keep_sums else None
+    softmax_rows, column_step, row_step = _sinkhorn_macros(n, eps, sums_at)
 
     @T.macro
     def normalise_backward(comb, dcomb, inv, step, at):
-        """The backward of one step: dP = (dQ - <dQ, Q>_line) * reciprocal, then P = Q / reciprocal."""
+        """The backward of one step: dP = (dQ - <dQ, Q>_line) * reciprocal, then P = Q / reciprocal (or
+        Q * sum, with keep_sums)."""
         for a in T.unroll(n):
             dot = sum([dcomb[at(a, b)] * comb[at(a, b)] for b in rows])
             for b in T.unroll(n):
                 dcomb[at(a, b)] = (dcomb[at(a, b)] - dot) * inv[step * n + a]
-                comb[at(a, b)] = comb[at(a, b)] / inv[step * n + a]
+                if sums_at is not None:
+                    comb[at(a, b)] = comb[at(a, b)] * inv[sums_at + step * n + a]
+                else:
+                    comb[at(a, b)] = comb[at(a, b)] / inv[step * n + a]
 
     def column_step_backward(comb, dcomb, inv, step):
         normalise_backward(comb, dcomb, inv, step, lambda j, i: i * n + j)

@@ -82,7 +82,7 @@ def _dpre_row_macro(n: int, C: int):
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                       splits: int = 1, iterations: int = 20, threads: int = 256,
                                       block_tokens: int = 64, block_c: int | None = None, stages: int = 2,
-                                      phases: str = "fused"):
+                                      phases: str = "fused", keep_sums: bool = False):
     """Kernel 1. Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw
     projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32,
     (CUDA only: pre [T, n] f32); outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all
@@ -94,7 +94,13 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     phases: "fused", one kernel (on CUDA a CTA streams its tokens' x and dy for dH_pre, then one thread per
     token runs the rest); "split", the program of the per-token part alone (arguments from partial on, dpre
     holding dH_pre as an input), run after dpre_program's streaming reduction, so that on CUDA the stream runs
-    at full occupancy and the per-token math of all tokens at once (the C target has the same split)."""
+    at full occupancy and the per-token math of all tokens at once (the C target has the same split).
+
+    keep_sums: the Sinkhorn backward undoes each step by multiplying with the step's sums, kept in the
+    recomputed forward, instead of dividing by its reciprocals (coefficient_backward_macro): 16 IEEE divisions
+    fewer per step at n = 4 in each token's serial chain. The per-token part is about 0.11-0.14 ms of kernel
+    1's 0.26-0.28 at 16384 tokens on the H200 (kernel notes, "What limits the backward now"). Built and
+    checked on the C target and for sm_90; not timed yet."""
     if phases not in ("fused", "split"):
         raise ValueError(f"pre backward (coefficients): phases: expected 'fused' or 'split', got {phases!r}")
     t = _check("pre backward (coefficients)", n, C, dtype, target)
@@ -102,9 +108,9 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     NT = T.dynamic("T")
     S = splits
     lanes = list(range(n))
-    backward = coefficient_backward_macro(n, C, iterations=iterations)
+    backward = coefficient_backward_macro(n, C, iterations=iterations, keep_sums=keep_sums)
     gather = partial_sum_macro(n, S)
-    NI = sinkhorn_steps(iterations) * n
+    NI = sinkhorn_steps(iterations) * n * (2 if keep_sums else 1)
 
     def token_scratch():
         """One thread's local arrays for the coefficient backward of its token: mix, dpre, dpost, dres, comb,
