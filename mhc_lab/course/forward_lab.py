@@ -260,29 +260,17 @@ def leave_out_table(recording: dict | None = None) -> str:
     if not steps:
         return "(no leave_out recording in mhc_lab/recorded/forward_h200_stream.json)"
     shapes = steps["shapes"]
-
-    def variant(shape, tuning):
-        for row in shape.get("stream_variants", []):
-            if row.get("tuning") == tuning and "time_ms" in row:
-                return row["time_ms"]["stream.post_project"]
-        return None
-
     rows = [("as first built (phi's rows on the GEMM's N side)", [s["time_ms"].get("stream.post_project")
                                                                  for s in shapes])]
-    rows += [(label, [variant(s, {"leave_out": list(LEAVE_OUT_STEPS[: k + 1])}) for s in shapes])
+    rows += [(label, [_stream_variant_ms(s, {"leave_out": list(LEAVE_OUT_STEPS[: k + 1])}) for s in shapes])
              for k, label in enumerate(LEAVE_OUT_LABELS)]
     rows.append(("the post alone (no projection)", [s["time_ms"].get("post") for s in shapes]))
     if fixed:
         by_shape = {(s["tokens"], s["C"]): s for s in fixed["shapes"]}
         rows.append(("phi's rows as the GEMM's A operand (now; a later run)",
-                     [variant(by_shape.get((s["tokens"], s["C"]), {}), {"phi_first": True}) for s in shapes]))
-    width = max(len(label) for label, _ in rows) + 2
-    lines = [recording_label({"environment": steps.get("environment") or recording.get("environment")}),
-             f"{'fused post + projection, ms':<{width}}" + "".join(f"{_shape_name(s):>15}" for s in shapes)]
-    for label, times in rows:
-        lines.append(f"{label:<{width}}" + "".join(f"{t:15.3f}" if isinstance(t, (int, float)) else f"{'-':>15}"
-                                                    for t in times))
-    return "\n".join(lines)
+                     [_stream_variant_ms(by_shape.get((s["tokens"], s["C"]), {}), {"phi_first": True})
+                      for s in shapes]))
+    return _kernel_times_table(steps.get("environment") or recording.get("environment"), shapes, rows)
 
 
 def row_length_table(recording: dict | None = None) -> str:
@@ -301,29 +289,34 @@ def row_length_table(recording: dict | None = None) -> str:
         stages = f", {tuning['stages']} stages" if "stages" in tuning else ""
         return f"  {tokens} tokens x {columns} columns ({2 * columns}-byte rows), {layout}{stages}"
 
-    boxes = []  # the stripped variants, in the order the run timed them
-    for row in shapes[0].get("stream_variants", []):
-        tuning = row.get("tuning") or {}
-        if tuning.get("leave_out") == stripped:
-            boxes.append({k: v for k, v in tuning.items() if k != "leave_out"})
-
-    def stripped_ms(shape, box):
-        for row in shape.get("stream_variants", []):
-            tuning = dict(row.get("tuning") or {})
-            if tuning.pop("leave_out", None) == stripped and tuning == box and "time_ms" in row:
-                return row["time_ms"]["stream.post_project"]
-        return None
-
+    # the stripped variants, in the order the run timed them
+    stripped_tunings = [row["tuning"] for row in shapes[0].get("stream_variants", [])
+                        if (row.get("tuning") or {}).get("leave_out") == stripped]
     rows = [("the kernel as it is (64 x 64 boxes, every part)", [s["time_ms"].get("stream.post_project")
                                                                for s in shapes])]
-    rows += [("stripped to a plain copy, boxes of", [None] * len(shapes))]
-    rows += [(label(box), [stripped_ms(s, box) for s in shapes]) for box in boxes]
+    rows += [("stripped to a plain copy, boxes of", None)]
+    rows += [(label(tuning), [_stream_variant_ms(s, tuning) for s in shapes]) for tuning in stripped_tunings]
     rows.append(("the post alone (8 x 512 in registers, 1 KB rows)", [s["time_ms"].get("post") for s in shapes]))
+    return _kernel_times_table(run.get("environment") or recording.get("environment"), shapes, rows)
+
+
+def _stream_variant_ms(shape: dict, tuning: dict):
+    """The fused post + projection's time in the stream variant of a recorded shape that ran this tuning, or
+    None where that variant was not timed."""
+    for row in shape.get("stream_variants", []):
+        if row.get("tuning") == tuning and "time_ms" in row:
+            return row["time_ms"]["stream.post_project"]
+    return None
+
+
+def _kernel_times_table(environment: dict | None, shapes: list, rows: list) -> str:
+    """The recording's label, a header of the shapes, then one line per (label, times per shape) row in ms,
+    '-' where a shape was not timed; a row whose times are None is a heading for the rows below it."""
     width = max(len(text) for text, _ in rows) + 2
-    lines = [recording_label({"environment": run.get("environment") or recording.get("environment")}),
+    lines = [recording_label({"environment": environment}),
              f"{'fused post + projection, ms':<{width}}" + "".join(f"{_shape_name(s):>15}" for s in shapes)]
     for text, times in rows:
-        if not any(isinstance(t, (int, float)) for t in times):
+        if times is None:
             lines.append(text)
             continue
         lines.append(f"{text:<{width}}" + "".join(f"{t:15.3f}" if isinstance(t, (int, float)) else f"{'-':>15}"

@@ -473,8 +473,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad)
     if smem > SMEM_LIMIT:
         raise ValueError(f"pre backward (lanes): {LG} lanes x {BC} columns x {BT} tokens in {stages} stages "
-                         f"{'with dx_post ' if add_dx else ''}need {smem} bytes of shared memory, more than the "
-                         f"{SMEM_LIMIT} a CTA may use; take fewer lanes (lane_group), columns or stages")
+                         f"{'with dx_post ' if add_dx else 'with g ' if post_grad else ''}need {smem} bytes of "
+                         f"shared memory, more than the {SMEM_LIMIT} a CTA may use; take fewer lanes (lane_group), "
+                         f"columns or stages")
 
     @T.macro
     def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial):

@@ -249,6 +249,7 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
     tokens, n, C = x.shape
     linked = dx_post is not None
     post_grad = post_grad and linked
+    add_dx = linked and not post_grad  # the kernel adds dx_post as it is
     if backend == "reference":
         cd = res.dtype
         grads = reference_pre_backward(x, phi, bias, alpha, dy, dpost, dres)
@@ -267,10 +268,10 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
     if x.device.type == "cuda":
         from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth
 
-        splits = _lane_splits(n, C, x.device, linked and not post_grad, post_grad)
+        splits = _lane_splits(n, C, x.device, add_dx, post_grad)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                                   lane_splits=splits, add_dx=linked and not post_grad,
-                                                   post_grad=post_grad, phases=COEFFICIENT_PHASES, **LANE_TUNING)
+                                                   lane_splits=splits, add_dx=add_dx, post_grad=post_grad,
+                                                   phases=COEFFICIENT_PHASES, **LANE_TUNING)
         more = [dx_post.contiguous()] if linked else []
         if post_grad:
             more.append(res.float().contiguous())
@@ -287,8 +288,8 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
             dphi_partial.zero_()
         dphi = dphi_from_partial(dphi_partial, n)
     else:
-        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0],
-                                                   add_dx=linked and not post_grad, post_grad=post_grad)
+        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=add_dx,
+                                                   post_grad=post_grad)
         dphi_partial = torch.empty((1, m, n * C), **f32)
         if tokens:
             x32, dy32 = x.float().contiguous(), dy.float().contiguous()
@@ -503,27 +504,27 @@ POST_GRADIENT_TO_PRE = False
 
 
 @contextlib.contextmanager
+def _module_setting(name: str, value):
+    """Within this block, this module's setting ``name`` (a global the ops read when they run) is ``value``;
+    the earlier value comes back after it, also after an exception."""
+    saved = globals()[name]
+    globals()[name] = value
+    try:
+        yield
+    finally:
+        globals()[name] = saved
+
+
 def post_gradient_to_pre(enabled: bool):
     """Within this block, linked sites hand the post's output gradient to the pre's backward (enabled), which
     adds H_res^T g to its dx, instead of the post's backward writing H_res^T g for the pre to read back."""
-    global POST_GRADIENT_TO_PRE
-    saved, POST_GRADIENT_TO_PRE = POST_GRADIENT_TO_PRE, bool(enabled)
-    try:
-        yield
-    finally:
-        POST_GRADIENT_TO_PRE = saved
+    return _module_setting("POST_GRADIENT_TO_PRE", bool(enabled))
 
 
-@contextlib.contextmanager
 def chaining_on_cuda(enabled: bool):
     """Within this block, chained sites on CUDA chain (enabled) or not, whatever CHAIN_ON_CUDA says: the
     benchmarks time both designs in one run."""
-    global CHAIN_ON_CUDA
-    saved, CHAIN_ON_CUDA = CHAIN_ON_CUDA, bool(enabled)
-    try:
-        yield
-    finally:
-        CHAIN_ON_CUDA = saved
+    return _module_setting("CHAIN_ON_CUDA", bool(enabled))
 
 
 LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo")
@@ -537,16 +538,10 @@ def check_lane_tuning(tuning: dict) -> dict:
     return tuning
 
 
-@contextlib.contextmanager
 def lane_tuning(**tuning):
     """Within this block, kernel 2 of the pre backward on CUDA takes these tunings (keys of LANE_TUNABLE, values
     as pre_backward_lanes_program takes them) instead of its defaults."""
-    global LANE_TUNING
-    saved, LANE_TUNING = LANE_TUNING, dict(check_lane_tuning(tuning))
-    try:
-        yield
-    finally:
-        LANE_TUNING = saved
+    return _module_setting("LANE_TUNING", dict(check_lane_tuning(tuning)))
 
 
 def fused_projection_applies(backend: str, x: torch.Tensor) -> bool:
