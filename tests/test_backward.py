@@ -122,101 +122,6 @@ def test_split_coefficient_kernels_c_target_equal_the_fused_one(n, C, tokens):
         assert _relmax(a, b) < 1e-6, name
 
 
-@pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
-def test_coefficient_kernel_keeping_the_sinkhorn_sums_c_target(n, C, tokens):
-    """keep_sums: the Sinkhorn backward multiplies by the kept sums instead of dividing by the reciprocals;
-    the same gradients up to float32 rounding, and the float64 truth's within the usual tolerance."""
-    from mhc_lab.kernels._target import compile_program
-    from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
-
-    x, phi, bias, alpha, _ = (t.float() for t in _site_inputs((tokens,), n, C, seed=tokens))
-    dy, dpost, dres, _ = (t.float() for t in _upstream((tokens,), n, C, seed=tokens + 4))
-    flat = x.reshape(tokens, n * C)
-    partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1)[None]
-    m = n * n + 2 * n
-    want = pre_backward(*(t.double() for t in (x, phi, bias, alpha, dy, dpost, dres)))
-    outs = {}
-    for keep in (False, True):
-        kernel = compile_program(pre_backward_coefficients_program(n, C, "float32", "c", keep_sums=keep), "c")
-        got = [torch.full((tokens, k), float("nan")) for k in (n, m, m, 4)]
-        kernel(x, dy, partial, bias, alpha, dpost, dres, *got)
-        outs[keep] = got
-    for name, a, b in zip(("dpre", "dlogit", "dmix", "extra"), outs[True], outs[False]):
-        assert _relmax(a, b) < 1e-5, name
-    assert _relmax(outs[True][1].sum(0), want.bias) < 1e-5
-    assert _relmax(outs[True][3][:, :3].sum(0), want.alpha) < 1e-4
-
-
-@needs_nvcc
-@pytest.mark.parametrize("phases", ["fused", "split"])
-def test_coefficient_kernel_keeping_the_sinkhorn_sums_builds_for_sm90(phases):
-    """Fewer divisions in the per-token chain: the backward's undo becomes a multiplication."""
-    from mhc_lab.kernels._target import compile_program
-    from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
-
-    sources = [compile_program(pre_backward_coefficients_program(4, 4096, "bfloat16", "sm_90", phases=phases,
-                                                                 keep_sums=keep), "sm_90").get_kernel_source()
-               for keep in (False, True)]
-    divisions = [src.count(" / ") for src in sources]
-    assert divisions[1] < divisions[0], divisions
-
-
-@pytest.mark.parametrize("lanes_grad", [True, False])
-@pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
-def test_post_backward_kernel_c_target(n, C, tokens, lanes_grad):
-    """lanes_grad=False: no dx argument, the other three gradients as with it."""
-    from mhc_lab.kernels.post_backward import post_backward_kernel
-
-    x, _, _, _, f = _site_inputs((tokens,), n, C, seed=tokens)
-    g = _upstream((tokens,), n, C, seed=tokens + 1)[3]
-    post = torch.rand(tokens, n, dtype=torch.float64) * 2
-    res = torch.rand(tokens, n, n, dtype=torch.float64)
-    want = post_backward(x, f, post, res, g)
-    names, want = (want._fields, want) if lanes_grad else (want._fields[1:], want[1:])
-    outs = [torch.full(t.shape, float("nan")) for t in want]
-    post_backward_kernel(n, C, "float32", "c", lanes_grad=lanes_grad)(x.float(), f.float(), g.float(),
-                                                                       post.float(), res.float(), *outs)
-    for name, a, b in zip(names, outs, want):
-        assert _relmax(a, b) < 1e-5, name
-
-
-@pytest.mark.parametrize("link", ["separate", "dx_post", "post_grad"])
-@pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
-def test_pre_backward_kernels_c_target(n, C, tokens, link):
-    """dx_post: the lane kernel also adds another gradient of the lanes (the post's, in the linked site) to dx;
-    post_grad: it takes the post's output gradient g and H_res instead, and adds H_res^T g."""
-    from mhc_lab.kernels.pre_backward import pre_backward_kernels
-
-    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens)
-    dy, dpost, dres, g = _upstream((tokens,), n, C, seed=tokens + 2)
-    coefficients_ref = mhc_coefficients(x, phi, bias, alpha)
-    want = pre_backward(x, phi, bias, alpha, dy, dpost, dres)
-    res = torch.rand(tokens, n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(tokens))
-    extra_dx = {"separate": 0, "dx_post": g, "post_grad": torch.einsum("tij,tic->tjc", res, g)}[link]
-    want_dx = want.x + extra_dx
-    m = n * n + 2 * n
-    flat = x.reshape(tokens, n * C)
-    partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1)[None].float()
-    pre = coefficients_ref.pre.float()
-    coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", add_dx=link == "dx_post",
-                                               post_grad=link == "post_grad")
-    nan = float("nan")
-    dpre, dlogit, dmix, extra = (torch.full((tokens, k), nan) for k in (n, m, m, 4))
-    coefficients(x.float(), dy.float(), partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
-                 dpre, dlogit, dmix, extra)
-    dx, dphi = torch.full(x.shape, nan), torch.full((1, m, n * C), nan)
-    lanes_in = {"separate": [], "dx_post": [g.float()], "post_grad": [g.float(), res.float()]}[link]
-    lanes(x.float(), dy.float(), pre, dmix, extra, phi.float(), *lanes_in, dx, dphi)
-    assert _relmax(dx, want_dx) < 1e-5
-    assert _relmax(dphi[0], want.phi) < 1e-5
-    assert _relmax(dlogit.sum(0), want.bias) < 1e-5
-    assert _relmax(extra[:, :3].sum(0), want.alpha) < 1e-4
-    assert _relmax(dpre, torch.einsum("tc,tjc->tj", dy, x)) < 1e-5
-
-
-
-
-
 @needs_nvcc
 @pytest.mark.parametrize("n,C,dtype", [(4, 4096, "bfloat16"), (8, 100, "float16"), (1, 7, "float32")])
 def test_post_backward_builds_for_sm90(n, C, dtype):
@@ -266,10 +171,58 @@ def test_pre_backward_builds_for_sm90(n, C, linked, splits):
 
     coefficients = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=splits),
                                    "sm_90")
-    assert "float inv[" in coefficients.get_kernel_source()  # Sinkhorn's reciprocals stay on chip
+    assert "float kept[" in coefficients.get_kernel_source()  # Sinkhorn's sums stay on chip
     lanes = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", add_dx=linked,
                                                        splits=2), "sm_90")
     assert "wgmma" in lanes.get_kernel_source()  # the dmix phi and dphi products run on tensor cores
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n,C", [(4, 4096), (8, 24), (2, 40), (1, 7)])
+def test_spread_coefficient_kernel_builds_for_sm90(n, C):
+    """phases="spread": a token over n R threads, its line sums by warp shuffles, each Sinkhorn step's sums kept
+    in shared memory, one slot per thread (the steps unrolled): stored once, read twice (the reciprocal and
+    the undo)."""
+    from mhc_lab.kernels._coefficients import sinkhorn_steps, spread_layout
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
+
+    src = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=3, phases="spread"),
+                          "sm_90").get_kernel_source()
+    P, R = spread_layout(n)
+    rows_held = n // R
+    steps = sinkhorn_steps(20)
+    row_steps, column_steps = steps // 2, (steps + 1) // 2
+    # the kept sums: a row step's stored, then read for the reciprocal and the undo; a column step's stored
+    # once and read so by each row the thread holds
+    assert src.count("((float*)kept)[") == row_steps * rows_held * 3 + column_steps * (1 + 2 * rows_held)
+    # butterflies of log2 n shuffles per row held: the row steps, forward and backward, and the softmax (its
+    # max and sum, twice, and its backward's dot); of log2 R per column step, forward and backward; three sums
+    # over the token's threads at the end
+    row_bits, slot_bits = (n.bit_length() - 1), (R.bit_length() - 1)
+    want = ((2 * row_steps + 5) * rows_held * row_bits + 2 * column_steps * slot_bits
+            + 3 * (row_bits + slot_bits))
+    assert src.count("__shfl_xor_sync") == want
+
+
+def test_spread_coefficient_kernel_refusals():
+    from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
+    from mhc_lab.ops import training
+
+    with pytest.raises(ValueError, match="CUDA only"):
+        pre_backward_coefficients_program(4, 64, "float32", "c", phases="spread")
+    with pytest.raises(ValueError, match="power of two.*n = 3"):
+        pre_backward_coefficients_program(3, 64, "bfloat16", "sm_90", phases="spread")
+    with pytest.raises(ValueError, match="expected 'fused', 'split' or 'spread', got 'spred'"):
+        pre_backward_coefficients_program(4, 64, "bfloat16", "sm_90", phases="spred")
+    with pytest.raises(ValueError, match="coefficient_phases: expected one of"):
+        training.coefficient_phases("spred")
+    assert training.COEFFICIENT_PHASES == "spread"
+    assert [training._coefficient_phases_for(n) for n in (1, 2, 3, 4, 6, 8)] == ["spread", "spread", "fused",
+                                                                                "spread", "fused", "spread"]
+    with training.coefficient_phases("split"):
+        assert [training._coefficient_phases_for(n) for n in (3, 4)] == ["split", "split"]
+    assert training.COEFFICIENT_PHASES == "spread"
 
 
 @needs_nvcc
@@ -284,7 +237,7 @@ def test_split_coefficient_kernels_build_for_sm90(n, C):
         assert "uint4" in reduce  # 16-byte loads of x and dy
     tokens = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=4, phases="split"),
                              "sm_90").get_kernel_source()
-    assert "float inv[" in tokens  # Sinkhorn's reciprocals stay on chip
+    assert "float kept[" in tokens  # Sinkhorn's sums stay on chip
 
 
 @needs_nvcc
@@ -728,29 +681,49 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA backward
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_split_coefficient_kernels_match_the_fused_one(n, C, tokens):
-    """Kernel 1 as two kernels (dpre_program, then one thread per token) against the fused kernel 1: the same
-    math, dH_pre summed in another order."""
-    from mhc_lab.kernels.pre_backward import coef_width, gemm_depth, pre_backward_kernels
+    """Kernel 1 as two kernels (dpre_program, then one thread per token, or a token over n R threads: "spread"
+    in several tunings) against the fused kernel 1: the same math, dH_pre and the spread lines summed in
+    another order, each group of the gradients (pre, post, res) on its own scale; and the spread kernels' bias
+    and alpha gradients against the float64 truth of the same bf16 inputs."""
+    from mhc_lab.kernels.pre_backward import coef_width, gemm_depth, pre_backward_kernels, two_phase_coefficients
 
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
     x = x.to(torch.bfloat16)
     dy, dpost, dres, _ = _upstream((tokens,), n, C, seed=5, device="cuda")
+    dy = dy.to(torch.bfloat16)
     m = n * n + 2 * n
     flat = x.double().reshape(tokens, n * C)
     partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1).float()[None].repeat(4, 1, 1) / 4
     pre = mhc_coefficients(x.double(), phi, bias, alpha).pre.float().contiguous()
+    spreads = {"spread": {}, "spread 256": {"threads": 256}, "spread 64": {"threads": 64}}
+    kernels = {"fused": pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4)[0],
+               "split": pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, phases="split")[0],
+               **{name: two_phase_coefficients(n, C, "bfloat16", "cuda", splits=4, phases="spread", spread=tuning)
+                  for name, tuning in spreads.items()}}
     outs = {}
-    for phases in ("fused", "split"):
-        coefficients, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, phases=phases)
+    for name, coefficients in kernels.items():
         f32 = dict(dtype=torch.float32, device="cuda")
         got = [torch.full((tokens, k), float("nan"), **f32) for k in (n, m, m, 4)]
         dsplit = torch.full((tokens, 3, 2 * gemm_depth(n)), float("nan"), dtype=torch.bfloat16, device="cuda")
         coef = torch.full((tokens, coef_width(n)), float("nan"), **f32)
-        coefficients(x, dy.to(torch.bfloat16), partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
-                     pre, *got, dsplit, coef)
-        outs[phases] = got + [dsplit, coef]
-    for name, a, b in zip(("dpre", "dlogit", "dmix", "extra", "dsplit", "coef"), outs["split"], outs["fused"]):
-        assert _relmax(a, b) < (1e-2 if name == "dsplit" else 1e-4), name
+        coefficients(x, dy, partial, bias.float(), alpha.float(), dpost.float(), dres.float(), pre, *got, dsplit,
+                     coef)
+        outs[name] = got + [dsplit, coef]
+    groups = {"pre": slice(0, n), "post": slice(n, 2 * n), "res": slice(2 * n, m)}
+    if n == 1:  # one lane's 1 x 1 Sinkhorn is constant: its gradient is zero up to rounding
+        del groups["res"]
+    for name in kernels:
+        for what, a, b in zip(("dpre", "dlogit", "dmix", "extra", "dsplit", "coef"), outs[name], outs["fused"]):
+            if what in ("dlogit", "dmix"):
+                for group, cols in groups.items():
+                    assert _relmax(a[:, cols], b[:, cols]) < 1e-4, (name, what, group)
+            else:
+                assert _relmax(a, b) < (1e-2 if what == "dsplit" else 1e-4), (name, what)
+    want = pre_backward(*(t.double() for t in (x, phi, bias, alpha, dy, dpost, dres)))
+    for name in spreads:
+        for group, cols in groups.items():
+            assert _relmax(outs[name][1][:, cols].double().sum(0), want.bias[cols]) < 1e-4, (name, group)
+        assert _relmax(outs[name][3][:, :3].double().sum(0), want.alpha) < 1e-4, name
 
 
 def _cuda_site_grads(x, phi, bias, alpha, weight, g, linked):
@@ -768,14 +741,18 @@ def _assert_site_grads_close(got, want, site):
 
 
 @needs_cuda
+@pytest.mark.parametrize("phases", ["fused", "spread"])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
-def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens):
+def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens, phases):
+    from mhc_lab.ops.training import coefficient_phases
+
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
     x = x.to(torch.bfloat16)
     weight = torch.randn(C, C, dtype=torch.float64, device="cuda") / math.sqrt(C)
     g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
     want = _site_truth(x, phi, bias, alpha, weight, g)
-    runs = [_cuda_site_grads(x, phi, bias, alpha, weight, g, linked) for linked in (False, True, True)]
+    with coefficient_phases(phases):
+        runs = [_cuda_site_grads(x, phi, bias, alpha, weight, g, linked) for linked in (False, True, True)]
     for site, got in (("separate", runs[0]), ("linked", runs[1])):
         _assert_site_grads_close(got, want, site)
     for name, a, again in zip(("x", "phi", "bias", "alpha"), runs[1], runs[2]):

@@ -238,14 +238,22 @@ def _site_components(x, phi, bias, alpha, g, bench) -> dict:
 
 
 def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_variants=()) -> dict:
-    """Time the pre backward's two kernels alone: kernel 1 in its default tuning and in each of
-    ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages", "warp_specialized"} or
-    {"phases": "split"}), kernel 2 for each tuning variant ({"lane_splits", "block_tokens", "block_c",
-    "lane_group", "stages", "dx_products", "threads", "trim_lo", "add_dx", "leave_out"}); every variant's
-    outputs are compared with the first's of the same add_dx without leave_out (a timing experiment's differ by
-    design). A variant without "lane_splits" runs the token splits a site runs (lane_splits_for on this GPU,
-    for the default tiling), recorded in its row as "token_splits"."""
-    from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth, pre_backward_kernels
+    """Time the pre backward's two kernels alone: kernel 1 as the ops run it (``coefficients_phases`` in the
+    result) and in each of ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages",
+    "warp_specialized"} for the fused kernel, or {"phases": "fused", "split" or "spread", "spread":
+    {"threads"}}; the two kernels of "split" and "spread" are also timed each alone), kernel 2 for each tuning
+    variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads",
+    "trim_lo", "add_dx", "leave_out"}); every variant's outputs are compared with the first's of the same
+    add_dx without leave_out (a timing experiment's differ by design). A variant without "lane_splits" runs
+    the token splits a site runs (lane_splits_for on this GPU, for the default tiling), recorded in its row
+    as "token_splits"."""
+    from mhc_lab.kernels.pre_backward import (
+        coef_width,
+        dphi_from_partial,
+        gemm_depth,
+        pre_backward_kernels,
+        two_phase_coefficients,
+    )
 
     x, phi, bias, alpha = _inputs(tokens, C, seed=2)
     ops = torch.ops.mhc_lab
@@ -254,25 +262,26 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     n, m = N, N * N + 2 * N
     f32 = dict(dtype=torch.float32, device="cuda")
     dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
-    coefficients, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0])
+    phases = _training_ops._coefficient_phases_for(n)
+    coefficients, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0], phases=phases)
     dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device="cuda")
     coef = torch.empty((tokens, coef_width(n)), **f32)
     args1 = (x, dy, partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
     coefficients(*args1)
-    out = {"tokens": tokens, "C": C, "coefficients_ms": bench(lambda: coefficients(*args1)) * 1e3, "lanes": [],
-           "coefficients": []}
-    log(f"  pre backward {tokens}x{C}: kernel 1 {out['coefficients_ms']:.3f} ms")
+    out = {"tokens": tokens, "C": C, "coefficients_phases": phases,
+           "coefficients_ms": bench(lambda: coefficients(*args1)) * 1e3, "lanes": [], "coefficients": []}
+    log(f"  pre backward {tokens}x{C}: kernel 1 ({phases}) {out['coefficients_ms']:.3f} ms")
     first = [t.clone() for t in (dmix, dsplit, coef)]
     for cfg in coefficient_variants:
         row = dict(cfg)
         try:
-            from mhc_lab.kernels._target import compile_program
+            from mhc_lab.kernels._target import NO_WARP_SPECIALIZATION, compile_program
             from mhc_lab.kernels.pre_backward import pre_backward_coefficients_program
 
-            from mhc_lab.kernels._target import NO_WARP_SPECIALIZATION
-
-            if cfg.get("phases") == "split":  # two kernels: the streaming dH_pre, then one thread per token
-                kernel, _ = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0], phases="split")
+            two = cfg.get("phases") in ("split", "spread")
+            if two:  # two kernels: the streaming dH_pre, then the per-token part
+                kernel = two_phase_coefficients(n, C, "bfloat16", "cuda", splits=partial.shape[0],
+                                                phases=cfg["phases"], spread=cfg.get("spread"))
             else:
                 tiling = {k: v for k, v in cfg.items() if k != "warp_specialized"}
                 kernel = compile_program(
@@ -282,8 +291,12 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
             row["rel_dmix"] = _rel(dmix, first[0])
             row["equal_operands"] = bool(torch.equal(dsplit, first[1]) and torch.equal(coef, first[2]))
             row["ms"] = bench(lambda: kernel(*args1)) * 1e3
-            log(f"    kernel 1 {cfg}: {row['ms']:.3f} ms, dmix vs default {row['rel_dmix']:.1e}, "
-                f"operands equal {row['equal_operands']}")
+            if two:  # and each of the two alone
+                row["dpre_ms"] = bench(lambda: kernel.reduce(x, dy, dpre)) * 1e3
+                row["tokens_ms"] = bench(lambda: kernel.tokens(*args1[2:])) * 1e3
+            log(f"    kernel 1 {cfg}: {row['ms']:.3f} ms"
+                + (f" (dH_pre {row['dpre_ms']:.3f}, per token {row['tokens_ms']:.3f})" if two else "")
+                + f", dmix vs default {row['rel_dmix']:.1e}, operands equal {row['equal_operands']}")
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:400]
             log(f"    kernel 1 {cfg}: FAILED {repr(e)[:300]}")
@@ -573,11 +586,20 @@ def main(argv=None) -> int:
     parser.add_argument("--post-grad", action="store_true", help="linked and chained sites hand the post's output "
                         "gradient to the pre's backward, which adds H_res^T g (mhc_lab.ops.training."
                         "post_gradient_to_pre; recorded as post_gradient_to_pre)")
+    parser.add_argument("--coefficient-phases", default=None, choices=("fused", "split", "spread"),
+                        help="the pre backward's kernel 1 for the parts site, block and host (mhc_lab.ops.training."
+                        "coefficient_phases; recorded as coefficient_phases)")
     args = parser.parse_args(argv)
     import contextlib
     import json
 
-    from mhc_lab.ops.training import check_lane_tuning, lane_tuning, post_gradient_to_pre
+    from mhc_lab.ops.training import (
+        COEFFICIENT_PHASES,
+        check_lane_tuning,
+        coefficient_phases,
+        lane_tuning,
+        post_gradient_to_pre,
+    )
 
     tuning = check_lane_tuning(hashable_tuning(json.loads(args.lane_tuning)) if args.lane_tuning else {})
     if not torch.cuda.is_available():
@@ -593,12 +615,16 @@ def main(argv=None) -> int:
         results["lane_tuning"] = tuning
     if args.post_grad:
         results["post_gradient_to_pre"] = True
+    phases = args.coefficient_phases or COEFFICIENT_PHASES
+    if args.coefficient_phases:
+        results["coefficient_phases"] = phases
     print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else "")
-          + ("; the post's output gradient to the pre" if args.post_grad else ""))
+          + ("; the post's output gradient to the pre" if args.post_grad else "")
+          + (f"; kernel 1 {phases}" if args.coefficient_phases else ""))
 
     @contextlib.contextmanager
     def configured():  # the options that the parts site, block and host run under
-        with lane_tuning(**tuning), post_gradient_to_pre(args.post_grad):
+        with lane_tuning(**tuning), post_gradient_to_pre(args.post_grad), coefficient_phases(phases):
             yield
 
     def save(final=False):

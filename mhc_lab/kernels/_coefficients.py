@@ -25,11 +25,11 @@ def mixes_width(n: int) -> int:
     return n * n + 2 * n
 
 
-def _sinkhorn_macros(n: int, eps: float, sums_at: int | None = None):
+def _sinkhorn_macros(n: int, eps: float):
     """The DeepSeek-V4 Sinkhorn's pieces on a thread-local comb [n * n] (row-major), shared by the forward
     and the backward: the row softmax of the logits, a column step and a row step. A step divides by the
-    column (row) sums + eps; given an array ``inv`` it also keeps the n reciprocals at ``inv[step * n:]``, and
-    with ``sums_at`` the n sums + eps themselves at ``inv[sums_at + step * n:]``."""
+    column (row) sums + eps (a reciprocal, then multiplications); given an array ``kept`` it also keeps the n
+    sums + eps at ``kept[step * n:]``."""
     rows = list(range(n))
 
     @T.macro
@@ -47,23 +47,21 @@ def _sinkhorn_macros(n: int, eps: float, sums_at: int | None = None):
                 comb[i * n + j] = comb[i * n + j] * total
 
     @T.macro
-    def normalise(comb, inv, step, at):
+    def normalise(comb, kept, step, at):
         """One Sinkhorn step over the n lines of comb; at(line, k) is the flat index of a line's k-th entry."""
         for a in T.unroll(n):
             total = sum([comb[at(a, b)] for b in rows]) + T.float32(eps)
             scale = T.float32(1.0) / total
-            if inv is not None:
-                inv[step * n + a] = scale
-                if sums_at is not None:
-                    inv[sums_at + step * n + a] = total
+            if kept is not None:
+                kept[step * n + a] = total
             for b in T.unroll(n):
                 comb[at(a, b)] = comb[at(a, b)] * scale
 
-    def column_step(comb, inv, step):
-        normalise(comb, inv, step, lambda j, i: i * n + j)
+    def column_step(comb, kept, step):
+        normalise(comb, kept, step, lambda j, i: i * n + j)
 
-    def row_step(comb, inv, step):
-        normalise(comb, inv, step, lambda i, j: i * n + j)
+    def row_step(comb, kept, step):
+        normalise(comb, kept, step, lambda i, j: i * n + j)
 
     return softmax_rows, column_step, row_step
 
@@ -136,53 +134,47 @@ def sinkhorn_steps(iterations: int) -> int:
 
 
 def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps: float = 1e-6,
-                               rms_eps: float = 1e-6, keep_sums: bool = False):
-    """A T.macro ``coefficients_backward(mix, alpha, bias, dpre, dpost, dres, comb, dcomb, inv, dlogit, dmix,
+                               rms_eps: float = 1e-6):
+    """A T.macro ``coefficients_backward(mix, alpha, bias, dpre, dpost, dres, comb, dcomb, kept, dlogit, dmix,
     extra)``: the backward of ``coefficient_macro`` for one token, all in thread-local arrays.
 
     In: mix [n^2+2n+1] (raw projections, then sum(x^2)), dpre, dpost [n], dres [n*n] with dres[i*n+j] the
-    gradient of H_res[i, j]. Scratch: comb, dcomb [n*n], inv [sinkhorn_steps(t) * n], twice that with
-    keep_sums.
+    gradient of H_res[i, j]. Scratch: comb, dcomb [n*n], kept [sinkhorn_steps(t) * n].
     Out: dlogit [n^2+2n] (the gradient of each pre-activation, which is also the bias gradient), dmix
     [n^2+2n] (the gradient of each raw projection: dlogit * alpha_k * r), extra [4] = the three alpha
     gradients and the gradient of sum(x^2).
 
-    The Sinkhorn backward recomputes the forward on chip and keeps only each step's n reciprocal sums
-    (t = 20, n = 4: 156 floats), never the intermediate matrices. A row step Q = P / (rowsum(P) + eps)
-    has the backward dP = (dQ - rowsum(dQ * Q)) / (rowsum(P) + eps), which needs Q (the state after the
-    step) and the reciprocal; the state before the step is recovered as P = Q / reciprocal. With keep_sums the
-    forward also keeps each step's sums, and P = Q * sum: a multiplication where the default divides (n^2
-    IEEE divisions per step in each token's serial chain; the two differ in the last bits).
+    The Sinkhorn backward recomputes the forward on chip and keeps only each step's n line sums (t = 20,
+    n = 4: 156 floats), never the intermediate matrices. A row step Q = P / s with s = rowsum(P) + eps has
+    the backward dP = (dQ - rowsum(dQ * Q)) / s, which needs Q (the state after the step) and s; the state
+    before the step is recovered as P = Q * s. The reciprocal 1 / s is taken again from the kept sum, once
+    per line and off the serial chain; the undo is a multiplication (a division per entry took 10% longer on
+    the H200, kernel notes).
     """
     m = mixes_width(n)
     k = n * width
     rows = list(range(n))
     groups = [list(range(n)), list(range(n, 2 * n)), list(range(2 * n, m))]
-
-    sums_at = sinkhorn_steps(iterations) * n if keep_sums else None
-    softmax_rows, column_step, row_step = _sinkhorn_macros(n, eps, sums_at)
+    softmax_rows, column_step, row_step = _sinkhorn_macros(n, eps)
 
     @T.macro
-    def normalise_backward(comb, dcomb, inv, step, at):
-        """The backward of one step: dP = (dQ - <dQ, Q>_line) * reciprocal, then P = Q / reciprocal (or
-        Q * sum, with keep_sums)."""
+    def normalise_backward(comb, dcomb, kept, step, at):
+        """The backward of one step: dP = (dQ - <dQ, Q>_line) / s, then P = Q * s."""
         for a in T.unroll(n):
             dot = sum([dcomb[at(a, b)] * comb[at(a, b)] for b in rows])
+            scale = T.float32(1.0) / kept[step * n + a]
             for b in T.unroll(n):
-                dcomb[at(a, b)] = (dcomb[at(a, b)] - dot) * inv[step * n + a]
-                if sums_at is not None:
-                    comb[at(a, b)] = comb[at(a, b)] * inv[sums_at + step * n + a]
-                else:
-                    comb[at(a, b)] = comb[at(a, b)] / inv[step * n + a]
+                dcomb[at(a, b)] = (dcomb[at(a, b)] - dot) * scale
+                comb[at(a, b)] = comb[at(a, b)] * kept[step * n + a]
 
-    def column_step_backward(comb, dcomb, inv, step):
-        normalise_backward(comb, dcomb, inv, step, lambda j, i: i * n + j)
+    def column_step_backward(comb, dcomb, kept, step):
+        normalise_backward(comb, dcomb, kept, step, lambda j, i: i * n + j)
 
-    def row_step_backward(comb, dcomb, inv, step):
-        normalise_backward(comb, dcomb, inv, step, lambda i, j: i * n + j)
+    def row_step_backward(comb, dcomb, kept, step):
+        normalise_backward(comb, dcomb, kept, step, lambda i, j: i * n + j)
 
     @T.macro
-    def coefficients_backward(mix, alpha, bias, dpre, dpost, dres, comb, dcomb, inv, dlogit, dmix, extra):
+    def coefficients_backward(mix, alpha, bias, dpre, dpost, dres, comb, dcomb, kept, dlogit, dmix, extra):
         r = T.rsqrt(mix[m] / T.float32(k) + T.float32(rms_eps))
         a_pre = alpha[0] * r
         a_post = alpha[1] * r
@@ -192,23 +184,23 @@ def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps:
             dlogit[i] = dpre[i] * s_pre * (T.float32(1.0) - s_pre)
             s_post = T.sigmoid(a_post * mix[n + i] + bias[n + i])
             dlogit[n + i] = dpost[i] * T.float32(2.0) * s_post * (T.float32(1.0) - s_post)
-        # Sinkhorn forward again, keeping the reciprocal sums of every step
+        # Sinkhorn forward again, keeping the sums of every step
         softmax_rows(comb, a_res, mix, bias)
         for q in T.unroll(n * n):
             comb[q] = comb[q] + T.float32(eps)
-        column_step(comb, inv, 0)
+        column_step(comb, kept, 0)
         for it in T.serial(iterations - 1):
-            row_step(comb, inv, 2 * it + 1)
-            column_step(comb, inv, 2 * it + 2)
+            row_step(comb, kept, 2 * it + 1)
+            column_step(comb, kept, 2 * it + 2)
         # comb holds H_res transposed: the gradient of comb[i * n + j] is dres[j * n + i]
         for i in T.unroll(n):
             for j in T.unroll(n):
                 dcomb[i * n + j] = dres[j * n + i]
         for it in T.serial(iterations - 1):
             back = iterations - 2 - it
-            column_step_backward(comb, dcomb, inv, 2 * back + 2)
-            row_step_backward(comb, dcomb, inv, 2 * back + 1)
-        column_step_backward(comb, dcomb, inv, 0)
+            column_step_backward(comb, dcomb, kept, 2 * back + 2)
+            row_step_backward(comb, dcomb, kept, 2 * back + 1)
+        column_step_backward(comb, dcomb, kept, 0)
         # softmax backward, on the softmax recomputed exactly (not the reconstructed comb - eps)
         softmax_rows(comb, a_res, mix, bias)
         for i in T.unroll(n):
@@ -226,3 +218,156 @@ def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps:
         extra[3] = d_r * T.float32(-0.5) * r * r * r / T.float32(k)
 
     return coefficients_backward
+
+
+def spread_layout(n: int) -> tuple[int, int]:
+    """(threads per token, row slots) of the spread coefficient backward: a token's n x n matrix over
+    n * R threads of one warp, R = min(n, 32 // n) row slots per column, so that each thread holds n // R
+    entries of one column (one at n <= 4, two at n = 8). n must be a power of two (the butterfly sums)."""
+    if n & (n - 1):
+        raise ValueError(f"spread coefficient backward: expected n a power of two (1, 2, 4, 8), got n = {n}")
+    rows = min(n, 32 // n)
+    return n * rows, rows
+
+
+def spread_coefficient_backward_macro(n: int, width: int, splits: int, *, iterations: int = 20,
+                                      eps: float = 1e-6, rms_eps: float = 1e-6):
+    """The backward of ``coefficient_macro`` for one token spread over P = n R threads of a warp
+    (``spread_layout``): the math of ``coefficient_backward_macro``, its sums in butterfly order. Returns
+    (macro, scratch, kept_count): ``scratch()`` allocates the thread-local arrays the macro takes, and the
+    caller allocates ``kept`` [kept_count, threads] float32 in shared memory.
+
+    Thread g of a token's group holds column j = g % n, rows i = g // n + R e (e < n // R) of the matrix, and
+    the pre and post entries q = g + P m (q < 2n). A line's sum is a butterfly of warp shuffles: a row's over
+    the bits of j (xor 1 .. n/2), a column's over the bits of the row slot (xor n .. nR/2) after the thread's
+    own rows. Every Sinkhorn step keeps only its sums (one per line the thread holds), the steps unrolled, in
+    shared memory at kept[step's offset, tx] (conflict-free; in registers they took about 100 per thread
+    and the per-token kernel 30% longer on the H200). The backward takes each reciprocal again from its sum
+    and undoes a step by multiplying with the sum. All threads of a warp must run the macro (clamp the
+    token, guard the stores).
+
+    ``spread_backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)``,
+    dpre [.., n] the token's dH_pre at row tok. Leaves in the scratch: dc[e] the logit gradient of entry (i, j),
+    pp[m] that of pre/post entry q, red[0:3] the three group sums, red[3] = r, and mx (the token's raw
+    projections of these entries; mx[E + M2] its sum of squares). Writing them out is the caller's.
+    """
+    m = mixes_width(n)
+    k = n * width
+    P, R = spread_layout(n)
+    E = n // R
+    M2 = (2 * n + P - 1) // P  # pre/post entries per thread
+    row_bits = [1 << b for b in range(n.bit_length() - 1)]  # xor offsets over j
+    slot_bits = [n << b for b in range(R.bit_length() - 1)]  # xor offsets over the row slot
+    all_bits = row_bits + slot_bits
+    steps = ["column"] + ["row", "column"] * (iterations - 1)
+    offsets, at = [], 0
+    for kind in steps:
+        offsets.append(at)
+        at += E if kind == "row" else 1
+    kept_count = at
+    entries = list(range(E))
+    pps = list(range(M2))
+
+    def scratch():
+        """mx [E + M2 + 1], c, dc, line [E], pp [M2], red [4], all float32 locals."""
+        sizes = (E + M2 + 1, E, E, E, M2, 4)
+        return tuple(T.alloc_local((size,), "float32") for size in sizes)
+
+    @T.macro
+    def butterfly_sum(buf, idx, bits):
+        for o in bits:
+            buf[idx] = buf[idx] + T.shfl_xor(buf[idx], o)
+
+    @T.macro
+    def butterfly_max(buf, idx, bits):
+        for o in bits:
+            buf[idx] = T.max(buf[idx], T.shfl_xor(buf[idx], o))
+
+    @T.macro
+    def gather(partial, tok, q, dst, idx):
+        dst[idx] = partial[0, tok, q]
+        for s in T.serial(splits - 1):
+            dst[idx] = dst[idx] + partial[s + 1, tok, q]
+
+    @T.macro
+    def softmax_rows(j, slot, a_res, bias, mx, c, line):
+        for e in entries:
+            c[e] = a_res * mx[e] + bias[2 * n + (slot + R * e) * n + j]
+            line[e] = c[e]
+            butterfly_max(line, e, row_bits)
+            c[e] = T.exp(c[e] - line[e])
+            line[e] = c[e]
+            butterfly_sum(line, e, row_bits)
+            c[e] = c[e] * (T.float32(1.0) / line[e])
+
+    @T.macro
+    def spread_backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red):
+        j = g % n
+        slot = g // n
+        for e in entries:
+            gather(partial, tok, 2 * n + (slot + R * e) * n + j, mx, e)
+        for p in pps:
+            gather(partial, tok, T.min(g + P * p, 2 * n - 1), mx, E + p)
+        gather(partial, tok, m, mx, E + M2)
+        red[3] = T.rsqrt(mx[E + M2] / T.float32(k) + T.float32(rms_eps))
+        r = red[3]
+        a_pre = alpha[0] * r
+        a_post = alpha[1] * r
+        a_res = alpha[2] * r
+        # the pre and post entries: sigmoid backward
+        for p in pps:
+            q = g + P * p
+            qc = T.min(q, 2 * n - 1)
+            s = T.sigmoid(T.if_then_else(q < n, a_pre, a_post) * mx[E + p] + bias[qc])
+            up = T.if_then_else(q < n, dpre[tok, T.min(q, n - 1)],
+                                T.float32(2.0) * dpost[tok, T.max(qc - n, 0)])
+            pp[p] = T.if_then_else(q < 2 * n, up * s * (T.float32(1.0) - s), T.float32(0))
+        # Sinkhorn forward again, keeping each step's sums + eps
+        softmax_rows(j, slot, a_res, bias, mx, c, line)
+        for e in entries:
+            c[e] = c[e] + T.float32(eps)
+        for kind, off in zip(steps, offsets):
+            if kind == "column":
+                line[0] = sum([c[e] for e in entries])
+                butterfly_sum(line, 0, slot_bits)
+                line[0] = line[0] + T.float32(eps)
+                kept[off, tx] = line[0]
+                for e in entries:
+                    c[e] = c[e] * (T.float32(1.0) / line[0])
+            else:
+                for e in entries:
+                    line[e] = c[e]
+                    butterfly_sum(line, e, row_bits)
+                    line[e] = line[e] + T.float32(eps)
+                    kept[off + e, tx] = line[e]
+                    c[e] = c[e] * (T.float32(1.0) / line[e])
+        # comb holds H_res transposed: the gradient of comb[i, j] is dres[j, i]
+        for e in entries:
+            dc[e] = dres[tok, j, slot + R * e]
+        for kind, off in zip(reversed(steps), reversed(offsets)):
+            if kind == "column":
+                line[0] = sum([dc[e] * c[e] for e in entries])
+                butterfly_sum(line, 0, slot_bits)
+                for e in entries:
+                    dc[e] = (dc[e] - line[0]) * (T.float32(1.0) / kept[off, tx])
+                    c[e] = c[e] * kept[off, tx]
+            else:
+                for e in entries:
+                    line[e] = dc[e] * c[e]
+                    butterfly_sum(line, e, row_bits)
+                    dc[e] = (dc[e] - line[e]) * (T.float32(1.0) / kept[off + e, tx])
+                    c[e] = c[e] * kept[off + e, tx]
+        # softmax backward, on the softmax recomputed exactly
+        softmax_rows(j, slot, a_res, bias, mx, c, line)
+        for e in entries:
+            line[e] = dc[e] * c[e]
+            butterfly_sum(line, e, row_bits)
+            dc[e] = c[e] * (dc[e] - line[e])
+        # the three groups' sums of dlogit * mix over the token's threads
+        red[0] = sum([T.if_then_else(g + P * p < n, pp[p] * mx[E + p], T.float32(0)) for p in pps])
+        red[1] = sum([T.if_then_else(g + P * p >= n, pp[p] * mx[E + p], T.float32(0)) for p in pps])
+        red[2] = sum([dc[e] * mx[e] for e in entries])
+        for i in [0, 1, 2]:
+            butterfly_sum(red, i, all_bits)
+
+    return spread_backward, scratch, kept_count

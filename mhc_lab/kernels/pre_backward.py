@@ -43,6 +43,8 @@ from mhc_lab.kernels._coefficients import (
     mixes_width,
     partial_sum_macro,
     sinkhorn_steps,
+    spread_coefficient_backward_macro,
+    spread_layout,
 )
 from mhc_lab.kernels._target import (
     SMEM_LIMIT,
@@ -82,7 +84,7 @@ def _dpre_row_macro(n: int, C: int):
 def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                       splits: int = 1, iterations: int = 20, threads: int = 256,
                                       block_tokens: int = 64, block_c: int | None = None, stages: int = 2,
-                                      phases: str = "fused", keep_sums: bool = False):
+                                      phases: str = "fused", spread: dict | None = None):
     """Kernel 1. Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw
     projections and sum of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32,
     (CUDA only: pre [T, n] f32); outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all
@@ -94,39 +96,44 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     phases: "fused", one kernel (on CUDA a CTA streams its tokens' x and dy for dH_pre, then one thread per
     token runs the rest); "split", the program of the per-token part alone (arguments from partial on, dpre
     holding dH_pre as an input), run after dpre_program's streaming reduction, so that on CUDA the stream runs
-    at full occupancy and the per-token math of all tokens at once (the C target has the same split).
-
-    keep_sums: the Sinkhorn backward undoes each step by multiplying with the step's sums, kept in the
-    recomputed forward, instead of dividing by its reciprocals (coefficient_backward_macro): 16 IEEE divisions
-    fewer per step at n = 4 in each token's serial chain. The per-token part is about 0.11-0.14 ms of kernel
-    1's 0.26-0.28 at 16384 tokens on the H200 (kernel notes, "What limits the backward now"). Built and
-    checked on the C target and for sm_90; not timed yet."""
-    if phases not in ("fused", "split"):
-        raise ValueError(f"pre backward (coefficients): phases: expected 'fused' or 'split', got {phases!r}")
+    at full occupancy and the per-token math of all tokens at once (the C target has the same split);
+    "spread" (CUDA only), the same with the per-token part spread over n R threads of a warp per token, the
+    line sums by warp shuffles (``spread_coefficient_backward_macro``; ``spread``: its tuning, {"threads"}).
+    On the H200 (2026-11-30, run AF, ``training_h200.json`` sweeps) "spread" took 0.132 / 0.189 / 0.162 ms at
+    16384 x 2560 / 16384 x 4096 / 8192 x 7168 (its per-token kernel 0.028 / 0.028 / 0.018 of it) against
+    0.223 / 0.275 / 0.201 fused and 0.204 / 0.260 / 0.221 split (per-token kernel 0.100 / 0.099 / 0.077)."""
+    if phases not in ("fused", "split", "spread"):
+        raise ValueError("pre backward (coefficients): phases: expected 'fused', 'split' or 'spread', "
+                         f"got {phases!r}")
     t = _check("pre backward (coefficients)", n, C, dtype, target)
+    if phases == "spread":
+        if t == "c":
+            raise ValueError("pre backward (coefficients): phases='spread' spreads a token over a warp's threads, "
+                             "CUDA only; on the C target 'split' runs the same math")
+        return _spread_coefficients_program(n, C, splits=splits, iterations=iterations, **(spread or {}))
     M = mixes_width(n)
     NT = T.dynamic("T")
     S = splits
     lanes = list(range(n))
-    backward = coefficient_backward_macro(n, C, iterations=iterations, keep_sums=keep_sums)
+    backward = coefficient_backward_macro(n, C, iterations=iterations)
     gather = partial_sum_macro(n, S)
-    NI = sinkhorn_steps(iterations) * n * (2 if keep_sums else 1)
+    NI = sinkhorn_steps(iterations) * n
 
     def token_scratch():
         """One thread's local arrays for the coefficient backward of its token: mix, dpre, dpost, dres, comb,
-        dcomb, Sinkhorn's reciprocals, dlogit, dmix, extra."""
+        dcomb, Sinkhorn's kept sums, dlogit, dmix, extra."""
         sizes = (M + 1, n, n, n * n, n * n, n * n, NI, M, M, EXTRA)
         return tuple(T.alloc_local((size,), "float32") for size in sizes)
 
     @T.macro
-    def per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv, dlogit_l,
+    def per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, kept, dlogit_l,
                   dmix_l, extra_l, dpre, dlogit, dmix, extra):
         gather(partial, tok, mix)
         for i in T.unroll(n):
             dpost_l[i] = dpost[tok, i]
             for j in T.unroll(n):
                 dres_l[i * n + j] = dres[tok, i, j]
-        backward(mix, alpha, bias, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l)
+        backward(mix, alpha, bias, dpre_l, dpost_l, dres_l, comb, dcomb, kept, dlogit_l, dmix_l, extra_l)
         if dpre is not None:
             for i in T.unroll(n):
                 dpre[tok, i] = dpre_l[i]
@@ -149,9 +156,9 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             extra: T.Tensor((NT, EXTRA), "float32"),
         ):
             with T.Kernel(NT) as tok:
-                mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
+                mix, dpre_l, dpost_l, dres_l, comb, dcomb, kept, dlogit_l, dmix_l, extra_l = token_scratch()
                 dpre_row(x, dy, tok, dpre_l)
-                per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
+                per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, kept,
                           dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
 
         if phases == "fused":
@@ -167,10 +174,10 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
         ):
             # phases="split" on the C target: the per-token part, dH_pre already in dpre (dpre_program)
             with T.Kernel(NT) as tok:
-                mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
+                mix, dpre_l, dpost_l, dres_l, comb, dcomb, kept, dlogit_l, dmix_l, extra_l = token_scratch()
                 for j in T.serial(n):
                     dpre_l[j] = dpre[tok, j]
-                per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, inv,
+                per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, kept,
                           dlogit_l, dmix_l, extra_l, None, dlogit, dmix, extra)
 
         return coefficients_backward_tokens_c
@@ -221,7 +228,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
             acc = [T.alloc_fragment((BT, BC), "float32") for _ in lanes]
             sums = [T.alloc_fragment((BT,), "float32") for _ in lanes]
             sums_s = T.alloc_shared((BT, n), "float32")
-            mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
+            mix, dpre_l, dpost_l, dres_l, comb, dcomb, kept, dlogit_l, dmix_l, extra_l = token_scratch()
             t0 = b * BT
             # phase 1, the whole CTA: dH_pre[t, j] = <dy, x_j>, streamed in [BT x BC] tiles
             for q in lanes:
@@ -248,7 +255,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                     for j in T.unroll(n):
                         dpre_l[j] = sums_s[tx, j]
                     per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb,
-                              inv, dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
+                              kept, dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
                     lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef)
 
     if phases == "fused":
@@ -265,16 +272,97 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     ):
         # phases="split", the second kernel: one thread per token, dH_pre already in dpre (dpre_program)
         with T.Kernel(T.ceildiv(NT, TOKEN_THREADS), threads=TOKEN_THREADS) as b:
-            mix, dpre_l, dpost_l, dres_l, comb, dcomb, inv, dlogit_l, dmix_l, extra_l = token_scratch()
+            mix, dpre_l, dpost_l, dres_l, comb, dcomb, kept, dlogit_l, dmix_l, extra_l = token_scratch()
             tok = b * TOKEN_THREADS + T.get_thread_binding()
             if tok < NT:
                 for j in T.unroll(n):
                     dpre_l[j] = dpre[tok, j]
                 per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb,
-                          inv, dlogit_l, dmix_l, extra_l, None, dlogit, dmix, extra)
+                          kept, dlogit_l, dmix_l, extra_l, None, dlogit, dmix, extra)
                 lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef)
 
     return coefficients_backward_tokens
+
+
+def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
+    """Kernel 1's per-token part (phases="spread", after dpre_program) with a token over P = n R threads of a
+    warp (``spread_coefficient_backward_macro``): the same arguments as phases="split"'s CUDA program."""
+    M = mixes_width(n)
+    NT = T.dynamic("T")
+    S = splits
+    KH = gemm_depth(n)
+    K2 = 2 * KH
+    CP = coef_width(n)
+    P, R = spread_layout(n)
+    E = n // R
+    M2 = (2 * n + P - 1) // P
+    TPC = threads // P  # tokens per CTA
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"pre backward (coefficients, spread): expected threads a multiple of 32 in [32, 1024], "
+                         f"got {threads}")
+    backward, scratch, kept_count = spread_coefficient_backward_macro(n, C, S, iterations=iterations)
+
+    @T.prim_func
+    def coefficients_backward_spread(
+        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+        dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
+        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
+        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+        dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, TPC), threads=threads) as b:
+            dmix_s = T.alloc_shared((TPC, M), "float32")
+            kept = T.alloc_shared((kept_count, threads), "float32")
+            mx, c, dc, line, pp, red = scratch()
+            tx = T.get_thread_binding()
+            g = tx % P
+            slot = tx // P
+            j = g % n
+            token = b * TPC + slot
+            tok = T.min(token, NT - 1)  # every thread of a warp runs the shuffles; stores are guarded
+            backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)
+            r = red[3]
+            if token < NT:
+                for e in T.unroll(E):
+                    q = 2 * n + (g // n + R * e) * n + j
+                    dlogit[tok, q] = dc[e]
+                    dmix[tok, q] = dc[e] * (alpha[2] * r)
+                    dmix_s[slot, q] = dc[e] * (alpha[2] * r)
+                for p in T.unroll(M2):
+                    q = g + P * p
+                    if q < 2 * n:
+                        d = pp[p] * (T.if_then_else(q < n, alpha[0], alpha[1]) * r)
+                        dlogit[tok, q] = pp[p]
+                        dmix[tok, q] = d
+                        dmix_s[slot, q] = d
+                if g == 0:
+                    for i in T.unroll(3):
+                        extra[tok, i] = red[i] * r
+                    extra[tok, 3] = ((alpha[0] * red[0] + alpha[1] * red[1] + alpha[2] * red[2]) * T.float32(-0.5)
+                                     * r * r * r / T.float32(n * C))
+            T.sync_threads()
+            if token < NT:
+                # kernel 2's operands, as lane_operands writes them, spread over the token's threads
+                for p in T.unroll((K2 + P - 1) // P):
+                    kk = g + P * p
+                    if kk < K2:
+                        q = kk % KH
+                        d = T.if_then_else(q < M, dmix_s[slot, T.min(q, M - 1)], T.float32(0))
+                        dh = T.cast(d, "bfloat16")
+                        dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
+                        dsplit[tok, 0, kk] = dh
+                        dsplit[tok, 1, kk] = T.if_then_else(kk < KH, dl, T.cast(0, "bfloat16"))
+                        dsplit[tok, 2, kk] = T.if_then_else(kk < KH, dh, dl)
+                ds2 = ((alpha[0] * red[0] + alpha[1] * red[1] + alpha[2] * red[2]) * T.float32(-1.0)
+                       * r * r * r / T.float32(n * C))
+                for p in T.unroll((CP + P - 1) // P):
+                    jj = g + P * p
+                    if jj < CP:
+                        coef[tok, jj] = T.if_then_else(jj < n, pre[tok, T.min(jj, n - 1)],
+                                                       T.if_then_else(jj == n, ds2, T.float32(0)))
+
+    return coefficients_backward_spread
 
 
 def dpre_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
@@ -656,6 +744,27 @@ def dphi_from_partial(partial, n: int):
     return total[:M] + total[KH : KH + M]
 
 
+def two_phase_coefficients(n: int, C: int, dtype: str, target: str, *, splits: int, phases: str,
+                           spread: dict | None = None):
+    """Kernel 1 as two compiled kernels (phases "split" or "spread"): dpre_program's streaming dH_pre, then
+    the per-token part. Returns a function with the fused kernel 1's arguments (on CUDA it also takes pre,
+    before dpre, and writes kernel 2's operands), the two kernels as its ``reduce`` and ``tokens``."""
+    t = canonical_target(target)
+    reduce = compile_program(dpre_program(n, C, dtype, t), t)
+    tokens = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits, phases=phases,
+                                                               spread=spread), t)
+    if t == "c":
+        def coefficients(x, dy, partial, bias, alpha, dpost, dres, dpre, *outputs):
+            reduce(x, dy, dpre)
+            tokens(partial, bias, alpha, dpost, dres, dpre, *outputs)
+    else:
+        def coefficients(x, dy, partial, bias, alpha, dpost, dres, pre, dpre, *outputs):
+            reduce(x, dy, dpre)
+            tokens(partial, bias, alpha, dpost, dres, pre, dpre, *outputs)
+    coefficients.reduce, coefficients.tokens = reduce, tokens
+    return coefficients
+
+
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
@@ -666,19 +775,8 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
     t = canonical_target(target)
-    if phases == "split":
-        reduce = compile_program(dpre_program(n, C, dtype, t), t)
-        tokens = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits, phases="split"), t)
-
-        # the fused kernel 1's arguments; the CUDA one also takes pre (before dpre) and writes kernel 2's operands
-        if t == "c":
-            def coefficients(x, dy, partial, bias, alpha, dpost, dres, dpre, *outputs):
-                reduce(x, dy, dpre)
-                tokens(partial, bias, alpha, dpost, dres, dpre, *outputs)
-        else:
-            def coefficients(x, dy, partial, bias, alpha, dpost, dres, pre, dpre, *outputs):
-                reduce(x, dy, dpre)
-                tokens(partial, bias, alpha, dpost, dres, pre, dpre, *outputs)
+    if phases in ("split", "spread"):
+        coefficients = two_phase_coefficients(n, C, dtype, t, splits=splits, phases=phases)
     else:
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,

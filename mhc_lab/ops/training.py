@@ -42,10 +42,13 @@ from mhc_lab.reference.validate import (
 
 BACKENDS = ("auto", "reference", "kernels")
 KERNEL_MAX_LANES = 8
-# kernel 1 of the pre backward on CUDA: "fused", or "split" (a streaming dH_pre kernel, then one thread per
-# token): 0.260 / 0.204 / 0.221 ms against 0.275 / 0.223 / 0.202 fused at C = 4096 / 2560 / 7168 on the H200
-# (2026-11-30, training_h200.json sweeps), a small gain at two widths and a loss at the third
-COEFFICIENT_PHASES = "fused"
+# kernel 1 of the pre backward on CUDA (pre_backward_coefficients_program's phases): "spread" (a streaming
+# dH_pre kernel, then each token's coefficient backward over a warp's threads) took 0.132 / 0.189 / 0.162 ms at
+# C = 2560 / 4096 / 7168 on the H200, against 0.223 / 0.275 / 0.201 for "fused" and 0.204 / 0.260 / 0.221 for
+# "split" (one thread per token) (2026-11-30, run AF, training_h200.json sweeps). "spread" needs n a power of
+# two; other n run "fused".
+COEFFICIENT_PHASES = "spread"
+COEFFICIENT_PHASE_CHOICES = ("fused", "split", "spread")
 # kernel 2 of the pre backward on CUDA: tunings of pre_backward_lanes_program that replace its defaults (none:
 # the defaults); lane_tuning(...) sets them for a block of code, so that a benchmark can time whole sites and
 # blocks with a variant before it becomes the default
@@ -271,7 +274,7 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
         splits = _lane_splits(n, C, x.device, add_dx, post_grad)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                                    lane_splits=splits, add_dx=add_dx, post_grad=post_grad,
-                                                   phases=COEFFICIENT_PHASES, **LANE_TUNING)
+                                                   phases=_coefficient_phases_for(n), **LANE_TUNING)
         more = [dx_post.contiguous()] if linked else []
         if post_grad:
             more.append(res.float().contiguous())
@@ -519,6 +522,21 @@ def post_gradient_to_pre(enabled: bool):
     """Within this block, linked sites hand the post's output gradient to the pre's backward (enabled), which
     adds H_res^T g to its dx, instead of the post's backward writing H_res^T g for the pre to read back."""
     return _module_setting("POST_GRADIENT_TO_PRE", bool(enabled))
+
+
+def coefficient_phases(phases: str):
+    """Within this block, kernel 1 of the pre backward on CUDA runs as ``phases`` ("fused", "split" or
+    "spread"; pre_backward_coefficients_program) instead of COEFFICIENT_PHASES."""
+    if phases not in COEFFICIENT_PHASE_CHOICES:
+        raise ValueError(f"coefficient_phases: expected one of {COEFFICIENT_PHASE_CHOICES}, got {phases!r}")
+    return _module_setting("COEFFICIENT_PHASES", phases)
+
+
+def _coefficient_phases_for(n: int) -> str:
+    """COEFFICIENT_PHASES for n lanes: "spread" needs n a power of two, and runs as "fused" otherwise."""
+    if COEFFICIENT_PHASES == "spread" and n & (n - 1):
+        return "fused"
+    return COEFFICIENT_PHASES
 
 
 def chaining_on_cuda(enabled: bool):
