@@ -472,8 +472,8 @@ def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
     output and every gradient; asserts that every pre but the first took its partial_in."""
     from mhc_lab.ops import training
 
+    torch.manual_seed(1)  # the layers' and connections' initial weights: the same in every process
     layers = [_Layer(C).to(device, dtype) for _ in range(3)]
-    torch.manual_seed(1)
     connections = [training.MHCConnection(n, C, backend=backend).to(
         device, dtype if backend == "reference" else torch.float32) for _ in layers]
     with torch.no_grad():
@@ -726,6 +726,12 @@ def test_cuda_split_coefficient_kernels_match_the_fused_one(n, C, tokens):
         assert _relmax(outs[name][3][:, :3].double().sum(0), want.alpha) < 1e-4, name
 
 
+def _layer_weight(C, device):
+    """The site layer's weight [C, C] float64, seeded: the same in every process."""
+    gen = torch.Generator().manual_seed(C)
+    return (torch.randn(C, C, dtype=torch.float64, generator=gen) / math.sqrt(C)).to(device)
+
+
 def _cuda_site_grads(x, phi, bias, alpha, weight, g, linked):
     """The gradients of x, phi, bias and alpha of one site through the kernels (x as given, the rest float32)."""
     leaves = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in (phi, bias, alpha)]
@@ -748,7 +754,7 @@ def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens, phase
 
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
     x = x.to(torch.bfloat16)
-    weight = torch.randn(C, C, dtype=torch.float64, device="cuda") / math.sqrt(C)
+    weight = _layer_weight(C, "cuda")
     g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
     want = _site_truth(x, phi, bias, alpha, weight, g)
     with coefficient_phases(phases):
@@ -768,7 +774,7 @@ def test_cuda_linked_site_with_the_post_gradient_to_pre_matches_float64(n, C, to
 
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
     x = x.to(torch.bfloat16)
-    weight = torch.randn(C, C, dtype=torch.float64, device="cuda") / math.sqrt(C)
+    weight = _layer_weight(C, "cuda")
     g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
     want = _site_truth(x, phi, bias, alpha, weight, g)
     with post_gradient_to_pre(True):
@@ -789,7 +795,7 @@ def test_cuda_site_with_a_lane_tuning_matches_float64(n, C, tokens, tuning):
 
     x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
     x = x.to(torch.bfloat16)
-    weight = torch.randn(C, C, dtype=torch.float64, device="cuda") / math.sqrt(C)
+    weight = _layer_weight(C, "cuda")
     g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
     want = _site_truth(x, phi, bias, alpha, weight, g)
 

@@ -264,25 +264,34 @@ def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
 @pytest.mark.parametrize("n,C", [(4, 4096), (2, 200), (8, 40), (1, 72)])
 def test_split_apply_kernels_build_for_sm90(n, C):
+    from mhc_lab.kernels._coefficients import spread_layout
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_split import coefficients_program, mix_program
 
-    coefficients = compile_program(coefficients_program(n, C, "sm_90"), "sm_90").get_kernel_source()
-    assert "comb[" in coefficients  # the Sinkhorn matrix in registers, one token per thread
+    one = compile_program(coefficients_program(n, C, "sm_90", spread=False), "sm_90").get_kernel_source()
+    assert "comb[" in one  # the Sinkhorn matrix in registers, one token per thread
+    spread = compile_program(coefficients_program(n, C, "sm_90"), "sm_90").get_kernel_source()
+    assert "comb[" not in spread  # by default a token over n R threads, its line sums by warp shuffles:
+    P, R = spread_layout(n)  # log2 n shuffles per row held for the softmax's max and sum and each row step,
+    row_bits, slot_bits = n.bit_length() - 1, R.bit_length() - 1  # log2 R per column step (t = 20)
+    assert spread.count("__shfl_xor_sync") == (2 + 19) * (n // R) * row_bits + 20 * slot_bits
     mix = compile_program(mix_program(n, C, "bfloat16", "sm_90"), "sm_90").get_kernel_source()
     if C % 8 == 0:
         assert "uint4" in mix  # 16-byte loads of the lanes
 
 
 @needs_cuda
+@pytest.mark.parametrize("spread", [True, False])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 257), (4, 40, 7), (4, 200, 33), (2, 72, 1), (8, 40, 65), (1, 72, 7)])
-def test_cuda_split_apply_matches_float64(n, C, tokens):
-    """The apply pass as two kernels (per-token coefficients, then the lane mix) on NaN-poisoned outputs."""
+def test_cuda_split_apply_matches_float64(n, C, tokens, spread):
+    """The apply pass as two kernels (per-token coefficients, spread over a warp's threads or one thread per
+    token, then the lane mix) on NaN-poisoned outputs."""
     from mhc_lab.ops import mhc_pre_fused
 
     x, phi, bias, alpha, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=C)
     y, pre, post, res, _ = _reference(x, phi, bias, alpha, f)
-    got = mhc_pre_fused(x, phi, bias, alpha, plan="split", tuning={"apply_phases": "split"},
+    got = mhc_pre_fused(x, phi, bias, alpha, plan="split", tuning={"apply_phases": "split",
+                                                                   "spread_coefficients": spread},
                         out=_poisoned_pre(tokens, n, C, torch.bfloat16, "cuda"))
     _assert_close("layer input", got.layer_input, y, "cuda", "lanes")
     for name, a, b in (("pre", got.pre, pre), ("post", got.post, post), ("res", got.res, res)):

@@ -208,7 +208,7 @@ def _stream_site(x, phi, bias, alpha, bench, ref_out, tuning=None) -> tuple[dict
     lanes it writes for the next site (here with the same phi: the cost does not depend on its values).
     Moves 14 C elements per token at n = 4, the least a site must. tuning: post_project_program's keywords
     (its "splits", by default what the library chains with, mhc_lab.ops.training.CHAIN_SPLITS, also sets the
-    apply pass's), and "apply_phases" of the apply pass (split_kernels)."""
+    apply pass's), and "apply_phases" and "spread_coefficients" of the apply pass (split_kernels)."""
     from mhc_lab.kernels._coefficients import mixes_width
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
@@ -218,9 +218,9 @@ def _stream_site(x, phi, bias, alpha, bench, ref_out, tuning=None) -> tuple[dict
     tokens, n, C = x.shape
     tuning = {"splits": CHAIN_SPLITS, **hashable_tuning(tuning or {})}
     S = tuning["splits"]
-    apply_phases = tuning.pop("apply_phases", SPLIT_DEFAULTS["apply_phases"])
+    apply_tuning = {key: tuning.pop(key, SPLIT_DEFAULTS[key]) for key in ("apply_phases", "spread_coefficients")}
     phi_split, project, apply = split_kernels(n, C, "bfloat16", "cuda",
-                                              **{**SPLIT_DEFAULTS, "splits": S, "apply_phases": apply_phases})
+                                              **{**SPLIT_DEFAULTS, "splits": S, **apply_tuning})
     fused = post_project_kernel(n, C, "bfloat16", "cuda", **tuning)
     phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device="cuda")
     phi_split(phi, phi_hl)

@@ -15,6 +15,8 @@ float32 tolerance).
 """
 
 
+from types import SimpleNamespace
+
 import tilelang.language as T
 
 
@@ -221,34 +223,37 @@ def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps:
 
 
 def spread_layout(n: int) -> tuple[int, int]:
-    """(threads per token, row slots) of the spread coefficient backward: a token's n x n matrix over
+    """(threads per token, row slots) of the spread coefficient math: a token's n x n matrix over
     n * R threads of one warp, R = min(n, 32 // n) row slots per column, so that each thread holds n // R
     entries of one column (one at n <= 4, two at n = 8). n must be a power of two (the butterfly sums)."""
     if n & (n - 1):
-        raise ValueError(f"spread coefficient backward: expected n a power of two (1, 2, 4, 8), got n = {n}")
+        raise ValueError(f"spread coefficients: expected n a power of two (1, 2, 4, 8), got n = {n}")
     rows = min(n, 32 // n)
     return n * rows, rows
 
 
-def spread_coefficient_backward_macro(n: int, width: int, splits: int, *, iterations: int = 20,
-                                      eps: float = 1e-6, rms_eps: float = 1e-6):
-    """The backward of ``coefficient_macro`` for one token spread over P = n R threads of a warp
-    (``spread_layout``): the math of ``coefficient_backward_macro``, its sums in butterfly order. Returns
-    (macro, scratch, kept_count): ``scratch()`` allocates the thread-local arrays the macro takes, and the
-    caller allocates ``kept`` [kept_count, threads] float32 in shared memory.
+def spread_coefficient_macros(n: int, width: int, splits: int, *, iterations: int = 20, eps: float = 1e-6,
+                              rms_eps: float = 1e-6):
+    """The coefficient math of one token spread over P = n R threads of a warp (``spread_layout``): the
+    forward of ``coefficient_macro`` and the backward of ``coefficient_backward_macro``, their sums in
+    butterfly order. Returns a namespace with ``coefficients`` and ``backward`` (T.macros), ``scratch()`` (the
+    thread-local arrays they take) and ``kept_count`` (the backward's caller allocates ``kept`` [kept_count,
+    threads] float32 in shared memory).
 
     Thread g of a token's group holds column j = g % n, rows i = g // n + R e (e < n // R) of the matrix, and
     the pre and post entries q = g + P m (q < 2n). A line's sum is a butterfly of warp shuffles: a row's over
     the bits of j (xor 1 .. n/2), a column's over the bits of the row slot (xor n .. nR/2) after the thread's
-    own rows. Every Sinkhorn step keeps only its sums (one per line the thread holds), the steps unrolled, in
-    shared memory at kept[step's offset, tx] (conflict-free; in registers they took about 100 per thread
-    and the per-token kernel 30% longer on the H200). The backward takes each reciprocal again from its sum
-    and undoes a step by multiplying with the sum. All threads of a warp must run the macro (clamp the
+    own rows. In the backward every Sinkhorn step keeps only its sums (one per line the thread holds), the
+    steps unrolled, in shared memory at kept[step's offset, tx] (conflict-free; in registers they took about
+    100 per thread and the per-token kernel 30% longer on the H200); it takes each reciprocal again from its
+    sum and undoes a step by multiplying with the sum. All threads of a warp must run a macro (clamp the
     token, guard the stores).
 
-    ``spread_backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)``,
-    dpre [.., n] the token's dH_pre at row tok. Leaves in the scratch: dc[e] the logit gradient of entry (i, j),
-    pp[m] that of pre/post entry q, red[0:3] the three group sums, red[3] = r, and mx (the token's raw
+    ``coefficients(tok, g, partial, bias, alpha, mx, c, line, pp, red)`` leaves c[e] = comb[i, j] (H_res[j, i])
+    and pp[m] = H_pre[q] (q < n) or H_post[q - n] (n <= q < 2n).
+    ``backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)``, dpre
+    [.., n] the token's dH_pre at row tok, leaves dc[e] the logit gradient of entry (i, j), pp[m] that of
+    pre/post entry q, red[0:3] the three group sums of dlogit * mix, red[3] = r, and mx (the token's raw
     projections of these entries; mx[E + M2] its sum of squares). Writing them out is the caller's.
     """
     m = mixes_width(n)
@@ -290,9 +295,19 @@ def spread_coefficient_backward_macro(n: int, width: int, splits: int, *, iterat
             dst[idx] = dst[idx] + partial[s + 1, tok, q]
 
     @T.macro
-    def softmax_rows(j, slot, a_res, bias, mx, c, line):
+    def load_token(tok, g, partial, mx, red):
+        """The thread's raw projections and the token's sum of squares from the partials; red[3] = r."""
         for e in entries:
-            c[e] = a_res * mx[e] + bias[2 * n + (slot + R * e) * n + j]
+            gather(partial, tok, 2 * n + (g // n + R * e) * n + g % n, mx, e)
+        for p in pps:
+            gather(partial, tok, T.min(g + P * p, 2 * n - 1), mx, E + p)
+        gather(partial, tok, m, mx, E + M2)
+        red[3] = T.rsqrt(mx[E + M2] / T.float32(k) + T.float32(rms_eps))
+
+    @T.macro
+    def softmax_rows(g, a_res, bias, mx, c, line):
+        for e in entries:
+            c[e] = a_res * mx[e] + bias[2 * n + (g // n + R * e) * n + g % n]
             line[e] = c[e]
             butterfly_max(line, e, row_bits)
             c[e] = T.exp(c[e] - line[e])
@@ -301,15 +316,42 @@ def spread_coefficient_backward_macro(n: int, width: int, splits: int, *, iterat
             c[e] = c[e] * (T.float32(1.0) / line[e])
 
     @T.macro
-    def spread_backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red):
-        j = g % n
-        slot = g // n
+    def sinkhorn(g, tx, a_res, bias, mx, c, line, kept):
+        """The row softmax + eps and the 2t - 1 steps; with kept, each step's sums + eps kept there."""
+        softmax_rows(g, a_res, bias, mx, c, line)
         for e in entries:
-            gather(partial, tok, 2 * n + (slot + R * e) * n + j, mx, e)
+            c[e] = c[e] + T.float32(eps)
+        for kind, off in zip(steps, offsets):
+            if kind == "column":
+                line[0] = sum([c[e] for e in entries])
+                butterfly_sum(line, 0, slot_bits)
+                line[0] = line[0] + T.float32(eps)
+                if kept is not None:
+                    kept[off, tx] = line[0]
+                for e in entries:
+                    c[e] = c[e] * (T.float32(1.0) / line[0])
+            else:
+                for e in entries:
+                    line[e] = c[e]
+                    butterfly_sum(line, e, row_bits)
+                    line[e] = line[e] + T.float32(eps)
+                    if kept is not None:
+                        kept[off + e, tx] = line[e]
+                    c[e] = c[e] * (T.float32(1.0) / line[e])
+
+    @T.macro
+    def coefficients(tok, g, partial, bias, alpha, mx, c, line, pp, red):
+        load_token(tok, g, partial, mx, red)
+        r = red[3]
         for p in pps:
-            gather(partial, tok, T.min(g + P * p, 2 * n - 1), mx, E + p)
-        gather(partial, tok, m, mx, E + M2)
-        red[3] = T.rsqrt(mx[E + M2] / T.float32(k) + T.float32(rms_eps))
+            q = g + P * p
+            z = T.if_then_else(q < n, alpha[0] * r, alpha[1] * r) * mx[E + p] + bias[T.min(q, 2 * n - 1)]
+            pp[p] = T.if_then_else(q < n, T.sigmoid(z) + T.float32(eps), T.float32(2.0) * T.sigmoid(z))
+        sinkhorn(g, 0, alpha[2] * r, bias, mx, c, line, None)
+
+    @T.macro
+    def backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red):
+        load_token(tok, g, partial, mx, red)
         r = red[3]
         a_pre = alpha[0] * r
         a_post = alpha[1] * r
@@ -323,27 +365,10 @@ def spread_coefficient_backward_macro(n: int, width: int, splits: int, *, iterat
                                 T.float32(2.0) * dpost[tok, T.max(qc - n, 0)])
             pp[p] = T.if_then_else(q < 2 * n, up * s * (T.float32(1.0) - s), T.float32(0))
         # Sinkhorn forward again, keeping each step's sums + eps
-        softmax_rows(j, slot, a_res, bias, mx, c, line)
-        for e in entries:
-            c[e] = c[e] + T.float32(eps)
-        for kind, off in zip(steps, offsets):
-            if kind == "column":
-                line[0] = sum([c[e] for e in entries])
-                butterfly_sum(line, 0, slot_bits)
-                line[0] = line[0] + T.float32(eps)
-                kept[off, tx] = line[0]
-                for e in entries:
-                    c[e] = c[e] * (T.float32(1.0) / line[0])
-            else:
-                for e in entries:
-                    line[e] = c[e]
-                    butterfly_sum(line, e, row_bits)
-                    line[e] = line[e] + T.float32(eps)
-                    kept[off + e, tx] = line[e]
-                    c[e] = c[e] * (T.float32(1.0) / line[e])
+        sinkhorn(g, tx, a_res, bias, mx, c, line, kept)
         # comb holds H_res transposed: the gradient of comb[i, j] is dres[j, i]
         for e in entries:
-            dc[e] = dres[tok, j, slot + R * e]
+            dc[e] = dres[tok, g % n, g // n + R * e]
         for kind, off in zip(reversed(steps), reversed(offsets)):
             if kind == "column":
                 line[0] = sum([dc[e] * c[e] for e in entries])
@@ -358,7 +383,7 @@ def spread_coefficient_backward_macro(n: int, width: int, splits: int, *, iterat
                     dc[e] = (dc[e] - line[e]) * (T.float32(1.0) / kept[off + e, tx])
                     c[e] = c[e] * kept[off + e, tx]
         # softmax backward, on the softmax recomputed exactly
-        softmax_rows(j, slot, a_res, bias, mx, c, line)
+        softmax_rows(g, a_res, bias, mx, c, line)
         for e in entries:
             line[e] = dc[e] * c[e]
             butterfly_sum(line, e, row_bits)
@@ -370,4 +395,4 @@ def spread_coefficient_backward_macro(n: int, width: int, splits: int, *, iterat
         for i in [0, 1, 2]:
             butterfly_sum(red, i, all_bits)
 
-    return spread_backward, scratch, kept_count
+    return SimpleNamespace(coefficients=coefficients, backward=backward, scratch=scratch, kept_count=kept_count)

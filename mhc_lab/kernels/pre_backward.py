@@ -43,7 +43,7 @@ from mhc_lab.kernels._coefficients import (
     mixes_width,
     partial_sum_macro,
     sinkhorn_steps,
-    spread_coefficient_backward_macro,
+    spread_coefficient_macros,
     spread_layout,
 )
 from mhc_lab.kernels._target import (
@@ -98,7 +98,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     holding dH_pre as an input), run after dpre_program's streaming reduction, so that on CUDA the stream runs
     at full occupancy and the per-token math of all tokens at once (the C target has the same split);
     "spread" (CUDA only), the same with the per-token part spread over n R threads of a warp per token, the
-    line sums by warp shuffles (``spread_coefficient_backward_macro``; ``spread``: its tuning, {"threads"}).
+    line sums by warp shuffles (``spread_coefficient_macros``; ``spread``: its tuning, {"threads"}).
     On the H200 (2026-11-30, run AF, ``training_h200.json`` sweeps) "spread" took 0.132 / 0.189 / 0.162 ms at
     16384 x 2560 / 16384 x 4096 / 8192 x 7168 (its per-token kernel 0.028 / 0.028 / 0.018 of it) against
     0.223 / 0.275 / 0.201 fused and 0.204 / 0.260 / 0.221 split (per-token kernel 0.100 / 0.099 / 0.077)."""
@@ -286,7 +286,7 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
 
 def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
     """Kernel 1's per-token part (phases="spread", after dpre_program) with a token over P = n R threads of a
-    warp (``spread_coefficient_backward_macro``): the same arguments as phases="split"'s CUDA program."""
+    warp (``spread_coefficient_macros``): the same arguments as phases="split"'s CUDA program."""
     M = mixes_width(n)
     NT = T.dynamic("T")
     S = splits
@@ -300,7 +300,7 @@ def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"pre backward (coefficients, spread): expected threads a multiple of 32 in [32, 1024], "
                          f"got {threads}")
-    backward, scratch, kept_count = spread_coefficient_backward_macro(n, C, S, iterations=iterations)
+    spread = spread_coefficient_macros(n, C, S, iterations=iterations)
 
     @T.prim_func
     def coefficients_backward_spread(
@@ -313,15 +313,15 @@ def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int
     ):
         with T.Kernel(T.ceildiv(NT, TPC), threads=threads) as b:
             dmix_s = T.alloc_shared((TPC, M), "float32")
-            kept = T.alloc_shared((kept_count, threads), "float32")
-            mx, c, dc, line, pp, red = scratch()
+            kept = T.alloc_shared((spread.kept_count, threads), "float32")
+            mx, c, dc, line, pp, red = spread.scratch()
             tx = T.get_thread_binding()
             g = tx % P
             slot = tx // P
             j = g % n
             token = b * TPC + slot
             tok = T.min(token, NT - 1)  # every thread of a warp runs the shuffles; stores are guarded
-            backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)
+            spread.backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)
             r = red[3]
             if token < NT:
                 for e in T.unroll(E):

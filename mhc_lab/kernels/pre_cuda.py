@@ -15,7 +15,7 @@ from mhc_lab.kernels.pre_split import phi_rows, split_kernels
 # two kernels (per-token coefficients, then the lane mix): site forward 0.442 / 0.675 / 0.596 ms against
 # 0.458 / 0.689 / 0.597 as one kernel at 16384 x 2560 / 16384 x 4096 / 8192 x 7168 (H200, 2026-11-30).
 SPLIT_DEFAULTS = {"block_m": 256, "block_k": 64, "splits": 4, "stages": 3, "block_tokens": 16, "block_c": 256,
-                  "apply_stages": 2, "project_ws": True, "apply_phases": "split"}
+                  "apply_stages": 2, "project_ws": True, "apply_phases": "split", "spread_coefficients": True}
 CLUSTER_DEFAULTS = {"cluster": 16, "block_tokens": 16, "stages": 2, "iters": 16, "threads": 256}
 LOOKBACK_DEFAULTS = {"block_tokens": 64, "block_k": 128, "stages": 3, "apply_c": 64, "apply_stages": 2}
 AUTO_PLAN = "split"  # what 'auto' picks: fastest on the H200 at all three issue shapes (forward_h200.json)

@@ -36,6 +36,8 @@ from mhc_lab.kernels._coefficients import (
     coefficient_macro,
     mixes_width,
     partial_sum_macro,
+    spread_coefficient_macros,
+    spread_layout,
     store_coefficients_macro,
 )
 from mhc_lab.kernels._target import (
@@ -204,15 +206,26 @@ def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
     return apply
 
 
-def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 4, iterations: int = 20):
+def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 4, iterations: int = 20,
+                         spread: bool | None = None):
     """The apply pass's first half as a kernel of its own (apply_phases='split'): one thread per token (a loop
     on the C target) sums the partials and writes H_pre, H_post and H_res; on CUDA every token's math runs at
     once instead of on 16 threads of a CTA that then streams. Arguments partial [S, T, n^2+2n+1], bias, alpha,
-    then pre, post, res (f32)."""
+    then pre, post, res (f32).
+
+    spread (CUDA; None: when n is a power of two): each token over n R threads of a warp instead of one
+    thread, its line sums by warp shuffles (``spread_coefficient_macros``), so that the 39 Sinkhorn steps'
+    serial chain per token is about n times shorter."""
     check_lanes_and_width("pre coefficients", n, C, max_lanes=8)
     t = canonical_target(target)
     M, S = mixes_width(n), splits
     NT = T.dynamic("T")
+    if spread is None:
+        spread = t != "c" and not n & (n - 1)
+    if spread:
+        if t == "c":
+            raise ValueError("pre coefficients: spread=True spreads a token over a warp's threads, CUDA only")
+        return _spread_coefficients_program(n, C, splits=splits, iterations=iterations)
     coefficients = coefficient_macro(n, C, iterations=iterations)
     gather = partial_sum_macro(n, S)
     store = store_coefficients_macro(n)
@@ -236,6 +249,42 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
                 store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)
 
     return token_coefficients
+
+
+def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
+    """coefficients_program with spread=True: the same arguments; T // (threads / (n R)) CTAs."""
+    M, S = mixes_width(n), splits
+    NT = T.dynamic("T")
+    P, R = spread_layout(n)
+    E = n // R
+    M2 = (2 * n + P - 1) // P
+    TPC = threads // P  # tokens per CTA
+    spread = spread_coefficient_macros(n, C, S, iterations=iterations)
+
+    @T.prim_func
+    def token_coefficients_spread(
+        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"), pre_out: T.Tensor((NT, n), "float32"),
+        post_out: T.Tensor((NT, n), "float32"), res_out: T.Tensor((NT, n, n), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(NT, TPC), threads=threads) as b:
+            mx, c, _, line, pp, red = spread.scratch()
+            tx = T.get_thread_binding()
+            g = tx % P
+            token = b * TPC + tx // P
+            tok = T.min(token, NT - 1)  # every thread of a warp runs the shuffles; stores are guarded
+            spread.coefficients(tok, g, partial, bias, alpha, mx, c, line, pp, red)
+            if token < NT:
+                for e in T.unroll(E):
+                    res_out[tok, g % n, g // n + R * e] = c[e]  # comb is H_res transposed
+                for p in T.unroll(M2):
+                    q = g + P * p
+                    if q < n:
+                        pre_out[tok, q] = pp[p]
+                    elif q < 2 * n:
+                        post_out[tok, q - n] = pp[p]
+
+    return token_coefficients_spread
 
 
 def mix_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
@@ -289,16 +338,20 @@ def phi_split_kernel(n: int, C: int, target: str = "cuda"):
 @functools.lru_cache(maxsize=None)
 def split_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, block_m: int = 256,
                   block_k: int = 64, splits: int = 4, stages: int = 3, block_tokens: int = 16, block_c: int = 256,
-                  apply_stages: int = 2, project_ws: bool = True, apply_phases: str = "fused"):
+                  apply_stages: int = 2, project_ws: bool = True, apply_phases: str = "fused",
+                  spread_coefficients: bool = True):
     """(phi_split, project, apply) compiled kernels, cached per process. apply_phases="split": apply is the
-    per-token coefficient kernel then the lane-mixing kernel (one callable, apply's arguments)."""
+    per-token coefficient kernel then the lane-mixing kernel (one callable, apply's arguments);
+    spread_coefficients: the coefficient kernel spreads each token over a warp's threads when n is a power
+    of two (coefficients_program's spread)."""
     if apply_phases not in ("fused", "split"):
         raise ValueError(f"pre split plan: apply_phases: expected 'fused' or 'split', got {apply_phases!r}")
     project = compile_program(project_program(n, C, dtype, target, block_m=block_m, block_k=block_k,
                                               splits=splits, stages=stages), target,
                               pass_configs=None if project_ws else NO_WARP_SPECIALIZATION)
     if apply_phases == "split":
-        coefficients = compile_program(coefficients_program(n, C, target, splits=splits), target)
+        spread = spread_coefficients and not n & (n - 1)
+        coefficients = compile_program(coefficients_program(n, C, target, splits=splits, spread=spread), target)
         mix = compile_program(mix_program(n, C, dtype, target), target)
 
         def apply(x, partial, bias, alpha, y, pre, post, res):
