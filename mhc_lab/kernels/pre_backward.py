@@ -19,17 +19,20 @@
 # FLOPs per token: 2 (n^2 + 2n) nC twice (dmix phi and dmix^T x: 384 C at n = 4) on tensor cores, as three
 # bf16 products (dmix and phi each split into bf16 hi + lo, ~16 bits kept) accumulated in float32.
 #
-# CUDA kernel 1: a CTA owns 64 tokens; all its threads stream the tokens' x and dy in [64 x 128] tiles (TMA,
-# double-buffered) and reduce dH_pre; then one thread per token runs the per-token backward of
-# _coefficients.py (the same macro as the C target) and writes kernel 2's operands: dmix split into bf16 hi and
-# lo, laid out for the three products, and H_pre with 2 ds. CUDA kernel 2: a CTA owns a block of columns of 2
+# CUDA kernel 1, as the ops run it (phases="spread", n a power of two): a streaming kernel reduces dH_pre (one
+# warp per token, 16-byte loads), then a kernel spreads each token's coefficient backward over n R threads of a
+# warp (_coefficients.py's spread_coefficient_macros: the matrix's line sums by warp shuffles, each Sinkhorn
+# step's sums kept in shared memory) and writes kernel 2's operands: dmix split into bf16 hi and lo, laid out
+# for the three products, and H_pre with 2 ds. phases="fused" (other n): a CTA owns 64 tokens, all its threads
+# stream their x and dy in [64 x 128] TMA tiles for dH_pre, then one thread per token runs the per-token
+# backward (the same macro as the C target). CUDA kernel 2: a CTA owns a block of columns of 2
 # lanes (1 for odd n; lane_tiling) for a range of token tiles; phi's columns are split into bf16 hi/lo once per
 # CTA; every operand of the token loop arrives by copies, so the loop is pipelined; each token tile runs two
 # GEMMs per lane for dx and one for the dphi partial, which stays in registers until the end.
-# H200, 16384 x 4096 (2026-11-30, mhc_lab/recorded/training_h200.json, sweeps): kernel 1 0.27 ms (64 x 128
-# tiles; 0.45 with the earlier 16 x 256), kernel 2 0.513 ms (2.35 TB/s on its 9C bytes), 0.673 ms when it adds
-# the linked site's dx_post (2.59 TB/s on 13C); docs/kernel-notes.md has the versions before these and what
-# limits them, and what kernel 1 as two kernels (phases="split") measured.
+# H200, 16384 x 4096 (2026-11-30, mhc_lab/recorded/training_h200.json, sweeps): kernel 1 0.189 ms spread
+# (dH_pre 0.164, per token 0.028; fused 0.275, split 0.260), kernel 2 0.513 ms (2.35 TB/s on its 9C bytes),
+# 0.673 ms when it adds the linked site's dx_post (2.59 TB/s on 13C); docs/kernel-notes.md has the versions
+# before these and what limits them.
 """pre backward: coefficient gradients (kernel 1), lane and phi gradients (kernel 2); CUDA or C target."""
 
 
