@@ -122,6 +122,59 @@ def test_split_coefficient_kernels_c_target_equal_the_fused_one(n, C, tokens):
         assert _relmax(a, b) < 1e-6, name
 
 
+@pytest.mark.parametrize("lanes_grad", [True, False])
+@pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
+def test_post_backward_kernel_c_target(n, C, tokens, lanes_grad):
+    """lanes_grad=False: no dx argument, the other three gradients as with it."""
+    from mhc_lab.kernels.post_backward import post_backward_kernel
+
+    x, _, _, _, f = _site_inputs((tokens,), n, C, seed=tokens)
+    g = _upstream((tokens,), n, C, seed=tokens + 1)[3]
+    post = torch.rand(tokens, n, dtype=torch.float64) * 2
+    res = torch.rand(tokens, n, n, dtype=torch.float64)
+    want = post_backward(x, f, post, res, g)
+    names, want = (want._fields, want) if lanes_grad else (want._fields[1:], want[1:])
+    outs = [torch.full(t.shape, float("nan")) for t in want]
+    post_backward_kernel(n, C, "float32", "c", lanes_grad=lanes_grad)(x.float(), f.float(), g.float(),
+                                                                       post.float(), res.float(), *outs)
+    for name, a, b in zip(names, outs, want):
+        assert _relmax(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("link", ["separate", "dx_post", "post_grad"])
+@pytest.mark.parametrize("n,C,tokens", KERNEL_CASES)
+def test_pre_backward_kernels_c_target(n, C, tokens, link):
+    """dx_post: the lane kernel also adds another gradient of the lanes (the post's, in the linked site) to dx;
+    post_grad: it takes the post's output gradient g and H_res instead, and adds H_res^T g."""
+    from mhc_lab.kernels.pre_backward import pre_backward_kernels
+
+    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens)
+    dy, dpost, dres, g = _upstream((tokens,), n, C, seed=tokens + 2)
+    coefficients_ref = mhc_coefficients(x, phi, bias, alpha)
+    want = pre_backward(x, phi, bias, alpha, dy, dpost, dres)
+    res = torch.rand(tokens, n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(tokens))
+    extra_dx = {"separate": 0, "dx_post": g, "post_grad": torch.einsum("tij,tic->tjc", res, g)}[link]
+    want_dx = want.x + extra_dx
+    m = n * n + 2 * n
+    flat = x.reshape(tokens, n * C)
+    partial = torch.cat([flat @ phi.t(), flat.pow(2).sum(-1, keepdim=True)], -1)[None].float()
+    pre = coefficients_ref.pre.float()
+    coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", add_dx=link == "dx_post",
+                                               post_grad=link == "post_grad")
+    nan = float("nan")
+    dpre, dlogit, dmix, extra = (torch.full((tokens, k), nan) for k in (n, m, m, 4))
+    coefficients(x.float(), dy.float(), partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
+                 dpre, dlogit, dmix, extra)
+    dx, dphi = torch.full(x.shape, nan), torch.full((1, m, n * C), nan)
+    lanes_in = {"separate": [], "dx_post": [g.float()], "post_grad": [g.float(), res.float()]}[link]
+    lanes(x.float(), dy.float(), pre, dmix, extra, phi.float(), *lanes_in, dx, dphi)
+    assert _relmax(dx, want_dx) < 1e-5
+    assert _relmax(dphi[0], want.phi) < 1e-5
+    assert _relmax(dlogit.sum(0), want.bias) < 1e-5
+    assert _relmax(extra[:, :3].sum(0), want.alpha) < 1e-4
+    assert _relmax(dpre, torch.einsum("tc,tjc->tj", dy, x)) < 1e-5
+
+
 @needs_nvcc
 @pytest.mark.parametrize("n,C,dtype", [(4, 4096, "bfloat16"), (8, 100, "float16"), (1, 7, "float32")])
 def test_post_backward_builds_for_sm90(n, C, dtype):
