@@ -109,11 +109,9 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
         raise ValueError("pre backward (coefficients): phases: expected 'fused', 'split' or 'spread', "
                          f"got {phases!r}")
     t = _check("pre backward (coefficients)", n, C, dtype, target)
-    if phases == "spread":
-        if t == "c":
-            raise ValueError("pre backward (coefficients): phases='spread' spreads a token over a warp's threads, "
-                             "CUDA only; on the C target 'split' runs the same math")
-        return _spread_coefficients_program(n, C, splits=splits, iterations=iterations, **(spread or {}))
+    if phases == "spread" and t == "c":
+        raise ValueError("pre backward (coefficients): phases='spread' spreads a token over a warp's threads, "
+                         "CUDA only; on the C target 'split' runs the same math")
     M = mixes_width(n)
     NT = T.dynamic("T")
     S = splits
@@ -264,15 +262,8 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     if phases == "fused":
         return coefficients_backward_cuda
 
-    @T.prim_func
-    def coefficients_backward_tokens(
-        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
-        alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
-        dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
-        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
-        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
-        dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
-    ):
+    @T.macro
+    def one_thread_per_token(partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef):
         # phases="split", the second kernel: one thread per token, dH_pre already in dpre (dpre_program)
         with T.Kernel(T.ceildiv(NT, TOKEN_THREADS), threads=TOKEN_THREADS) as b:
             mix, dpre_l, dpost_l, dres_l, comb, dcomb, kept, dlogit_l, dmix_l, extra_l = token_scratch()
@@ -284,15 +275,28 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
                           kept, dlogit_l, dmix_l, extra_l, None, dlogit, dmix, extra)
                 lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef)
 
+    body = (_spread_tokens_macro(n, C, splits=S, iterations=iterations, **(spread or {})) if phases == "spread"
+            else one_thread_per_token)
+
+    @T.prim_func
+    def coefficients_backward_tokens(
+        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
+        alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
+        dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
+        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
+        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+        dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
+    ):
+        body(partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
+
     return coefficients_backward_tokens
 
 
-def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
-    """Kernel 1's per-token part (phases="spread", after dpre_program) with a token over P = n R threads of a
-    warp (``spread_coefficient_macros``): the same arguments as phases="split"'s CUDA program."""
+def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
+    """The body of kernel 1's per-token program with phases="spread" (after dpre_program): a token over P = n R
+    threads of a warp (``spread_coefficient_macros``), T // (threads / P) CTAs; a T.macro taking the split
+    program's arguments."""
     M = mixes_width(n)
-    NT = T.dynamic("T")
-    S = splits
     KH = gemm_depth(n)
     K2 = 2 * KH
     CP = coef_width(n)
@@ -303,18 +307,11 @@ def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"pre backward (coefficients, spread): expected threads a multiple of 32 in [32, 1024], "
                          f"got {threads}")
-    spread = spread_coefficient_macros(n, C, S, iterations=iterations)
+    spread = spread_coefficient_macros(n, C, splits, iterations=iterations)
 
-    @T.prim_func
-    def coefficients_backward_spread(
-        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
-        alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
-        dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
-        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
-        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
-        dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
-    ):
-        with T.Kernel(T.ceildiv(NT, TPC), threads=threads) as b:
+    @T.macro
+    def spread_tokens(partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef):
+        with T.Kernel(T.ceildiv(dpre.shape[0], TPC), threads=threads) as b:
             dmix_s = T.alloc_shared((TPC, M), "float32")
             kept = T.alloc_shared((spread.kept_count, threads), "float32")
             mx, c, dc, line, pp, red = spread.scratch()
@@ -323,10 +320,10 @@ def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int
             slot = tx // P
             j = g % n
             token = b * TPC + slot
-            tok = T.min(token, NT - 1)  # every thread of a warp runs the shuffles; stores are guarded
+            tok = T.min(token, dpre.shape[0] - 1)  # every thread of a warp runs the shuffles; stores are guarded
             spread.backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)
             r = red[3]
-            if token < NT:
+            if token < dpre.shape[0]:
                 for e in T.unroll(E):
                     q = 2 * n + (g // n + R * e) * n + j
                     dlogit[tok, q] = dc[e]
@@ -345,7 +342,7 @@ def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int
                     extra[tok, 3] = ((alpha[0] * red[0] + alpha[1] * red[1] + alpha[2] * red[2]) * T.float32(-0.5)
                                      * r * r * r / T.float32(n * C))
             T.sync_threads()
-            if token < NT:
+            if token < dpre.shape[0]:
                 # kernel 2's operands, as lane_operands writes them, spread over the token's threads
                 for p in T.unroll((K2 + P - 1) // P):
                     kk = g + P * p
@@ -365,7 +362,7 @@ def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int
                         coef[tok, jj] = T.if_then_else(jj < n, pre[tok, T.min(jj, n - 1)],
                                                        T.if_then_else(jj == n, ds2, T.float32(0)))
 
-    return coefficients_backward_spread
+    return spread_tokens
 
 
 def dpre_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
