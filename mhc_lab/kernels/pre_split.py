@@ -214,29 +214,23 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
     then pre, post, res (f32).
 
     spread (CUDA; None: when n is a power of two): each token over n R threads of a warp instead of one
-    thread, its line sums by warp shuffles (``spread_coefficient_macros``), so that the 39 Sinkhorn steps'
-    serial chain per token is about n times shorter."""
+    thread, its line sums by warp shuffles (``spread_coefficient_macros``): one thread per token ran 4 warps
+    per SM at 16384 tokens, each a long dependent chain, and spread there are n R times as many warps."""
     check_lanes_and_width("pre coefficients", n, C, max_lanes=8)
     t = canonical_target(target)
     M, S = mixes_width(n), splits
     NT = T.dynamic("T")
     if spread is None:
         spread = t != "c" and not n & (n - 1)
-    if spread:
-        if t == "c":
-            raise ValueError("pre coefficients: spread=True spreads a token over a warp's threads, CUDA only")
-        return _spread_coefficients_program(n, C, splits=splits, iterations=iterations)
+    if spread and t == "c":
+        raise ValueError("pre coefficients: spread=True spreads a token over a warp's threads, CUDA only")
     coefficients = coefficient_macro(n, C, iterations=iterations)
     gather = partial_sum_macro(n, S)
     store = store_coefficients_macro(n)
     threads = 1 if t == "c" else TOKEN_THREADS
 
-    @T.prim_func
-    def token_coefficients(
-        partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
-        alpha: T.Tensor((3,), "float32"), pre_out: T.Tensor((NT, n), "float32"),
-        post_out: T.Tensor((NT, n), "float32"), res_out: T.Tensor((NT, n, n), "float32"),
-    ):
+    @T.macro
+    def one_thread_per_token(partial, bias, alpha, pre_out, post_out, res_out):
         with T.Kernel(T.ceildiv(NT, threads), **({} if t == "c" else {"threads": threads})) as b:
             mix = T.alloc_local((M + 1,), "float32")
             pre_l = T.alloc_local((n,), "float32")
@@ -248,33 +242,37 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
                 coefficients(mix, alpha, bias, pre_l, post_l, comb)
                 store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)
 
-    return token_coefficients
-
-
-def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
-    """coefficients_program with spread=True: the same arguments; T // (threads / (n R)) CTAs."""
-    M, S = mixes_width(n), splits
-    NT = T.dynamic("T")
-    P, R = spread_layout(n)
-    E = n // R
-    M2 = (2 * n + P - 1) // P
-    TPC = threads // P  # tokens per CTA
-    spread = spread_coefficient_macros(n, C, S, iterations=iterations)
+    body = _spread_tokens_macro(n, C, splits=splits, iterations=iterations) if spread else one_thread_per_token
 
     @T.prim_func
-    def token_coefficients_spread(
+    def token_coefficients(
         partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
         alpha: T.Tensor((3,), "float32"), pre_out: T.Tensor((NT, n), "float32"),
         post_out: T.Tensor((NT, n), "float32"), res_out: T.Tensor((NT, n, n), "float32"),
     ):
-        with T.Kernel(T.ceildiv(NT, TPC), threads=threads) as b:
+        body(partial, bias, alpha, pre_out, post_out, res_out)
+
+    return token_coefficients
+
+
+def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
+    """coefficients_program's body with spread=True, a T.macro of its arguments: T // (threads / (n R)) CTAs."""
+    P, R = spread_layout(n)
+    E = n // R
+    M2 = (2 * n + P - 1) // P
+    TPC = threads // P  # tokens per CTA
+    spread = spread_coefficient_macros(n, C, splits, iterations=iterations)
+
+    @T.macro
+    def spread_tokens(partial, bias, alpha, pre_out, post_out, res_out):
+        with T.Kernel(T.ceildiv(pre_out.shape[0], TPC), threads=threads) as b:
             mx, c, _, line, pp, red = spread.scratch()
             tx = T.get_thread_binding()
             g = tx % P
             token = b * TPC + tx // P
-            tok = T.min(token, NT - 1)  # every thread of a warp runs the shuffles; stores are guarded
+            tok = T.min(token, pre_out.shape[0] - 1)  # every thread of a warp runs the shuffles; stores guarded
             spread.coefficients(tok, g, partial, bias, alpha, mx, c, line, pp, red)
-            if token < NT:
+            if token < pre_out.shape[0]:
                 for e in T.unroll(E):
                     res_out[tok, g % n, g // n + R * e] = c[e]  # comb is H_res transposed
                 for p in T.unroll(M2):
@@ -284,7 +282,7 @@ def _spread_coefficients_program(n: int, C: int, *, splits: int, iterations: int
                     elif q < 2 * n:
                         post_out[tok, q - n] = pp[p]
 
-    return token_coefficients_spread
+    return spread_tokens
 
 
 def mix_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
