@@ -242,8 +242,8 @@ def test_spread_coefficient_kernel_builds_for_sm90(n, C):
 
     src = compile_program(pre_backward_coefficients_program(n, C, "bfloat16", "sm_90", splits=3, phases="spread"),
                           "sm_90").get_kernel_source()
-    P, R = spread_layout(n)
-    rows_held = n // R
+    layout = spread_layout(n)
+    rows_held = layout.entries
     steps = sinkhorn_steps(20)
     row_steps, column_steps = steps // 2, (steps + 1) // 2
     # the kept sums: a row step's stored, then read for the reciprocal and the undo; a column step's stored
@@ -252,10 +252,36 @@ def test_spread_coefficient_kernel_builds_for_sm90(n, C):
     # butterflies of log2 n shuffles per row held: the row steps, forward and backward, and the softmax (its
     # max and sum, twice, and its backward's dot); of log2 R per column step, forward and backward; three sums
     # over the token's threads at the end
-    row_bits, slot_bits = (n.bit_length() - 1), (R.bit_length() - 1)
+    row_bits, slot_bits = len(layout.row_bits), len(layout.slot_bits)
     want = ((2 * row_steps + 5) * rows_held * row_bits + 2 * column_steps * slot_bits
             + 3 * (row_bits + slot_bits))
     assert src.count("__shfl_xor_sync") == want
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_spread_layout_covers_the_matrix_and_gates_once(n):
+    """The spread kernels' index functions (the same ones their programs call): the threads of a token cover
+    every entry of the n x n matrix and every pre/post entry exactly once, within one warp; a row's butterfly
+    partners hold the same rows of other columns, a column's the same column of other rows."""
+    from mhc_lab.kernels._coefficients import spread_layout
+
+    layout = spread_layout(n)
+    assert layout.threads <= 32 and 32 % layout.threads == 0  # a token's group never straddles a warp
+    held = [(layout.row(g, e), layout.column(g)) for g in range(layout.threads) for e in range(layout.entries)]
+    assert sorted(held) == [(i, j) for i in range(n) for j in range(n)]
+    gates = [layout.gate(g, m) for g in range(layout.threads) for m in range(layout.gates)]
+    assert sorted(q for q in gates if q < 2 * n) == list(range(2 * n))
+    assert sum(layout.row_bits) == n - 1 and sum(layout.slot_bits) == n * (layout.slots - 1)
+    for g in range(layout.threads):
+        # a row's butterfly reaches g ^ mask for every mask over the row bits: the same rows, all n columns
+        row_group = [g ^ mask for mask in range(n)]
+        assert all([layout.row(h, e) for e in range(layout.entries)] == [layout.row(g, e) for e in
+                                                                        range(layout.entries)] for h in row_group)
+        assert sorted(layout.column(h) for h in row_group) == list(range(n))
+        # a column's reaches g ^ (mask n) over the slot bits: the same column, all n rows between them
+        column_group = [g ^ (mask * n) for mask in range(layout.slots)]
+        assert {layout.column(h) for h in column_group} == {layout.column(g)}
+        assert sorted(layout.row(h, e) for h in column_group for e in range(layout.entries)) == list(range(n))
 
 
 def test_spread_coefficient_kernel_refusals():

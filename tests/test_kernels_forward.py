@@ -272,9 +272,9 @@ def test_split_apply_kernels_build_for_sm90(n, C):
     assert "comb[" in one  # the Sinkhorn matrix in registers, one token per thread
     spread = compile_program(coefficients_program(n, C, "sm_90"), "sm_90").get_kernel_source()
     assert "comb[" not in spread  # by default a token over n R threads, its line sums by warp shuffles:
-    P, R = spread_layout(n)  # log2 n shuffles per row held for the softmax's max and sum and each row step,
-    row_bits, slot_bits = n.bit_length() - 1, R.bit_length() - 1  # log2 R per column step (t = 20)
-    assert spread.count("__shfl_xor_sync") == (2 + 19) * (n // R) * row_bits + 20 * slot_bits
+    layout = spread_layout(n)  # log2 n shuffles per row held for the softmax's max and sum and each row step,
+    row_bits, slot_bits = len(layout.row_bits), len(layout.slot_bits)  # log2 R per column step (t = 20)
+    assert spread.count("__shfl_xor_sync") == (2 + 19) * layout.entries * row_bits + 20 * slot_bits
     mix = compile_program(mix_program(n, C, "bfloat16", "sm_90"), "sm_90").get_kernel_source()
     if C % 8 == 0:
         assert "uint4" in mix  # 16-byte loads of the lanes

@@ -16,6 +16,7 @@ float32 tolerance).
 
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import tilelang.language as T
 
@@ -222,14 +223,51 @@ def coefficient_backward_macro(n: int, width: int, *, iterations: int = 20, eps:
     return coefficients_backward
 
 
-def spread_layout(n: int) -> tuple[int, int]:
-    """(threads per token, row slots) of the spread coefficient math: a token's n x n matrix over
-    n * R threads of one warp, R = min(n, 32 // n) row slots per column, so that each thread holds n // R
-    entries of one column (one at n <= 4, two at n = 8). n must be a power of two (the butterfly sums)."""
+class SpreadLayout(NamedTuple):
+    """Where one token's coefficient math sits in the spread kernels: ``threads`` (P = n R) threads of one warp,
+    ``slots`` (R) row slots per column. Thread g holds column ``column(g)`` of the n x n matrix at rows
+    ``row(g, e)`` for e < ``entries`` (n / R), and the pre/post entry ``gate(g, m)`` for m < ``gates`` where it
+    is below 2n. A row's butterfly pairs threads across ``row_bits`` (same slot, other columns), a column's
+    across ``slot_bits`` (same column, other slots). The index functions take ints or TIR expressions."""
+
+    n: int
+    threads: int
+    slots: int
+
+    @property
+    def entries(self) -> int:
+        return self.n // self.slots
+
+    @property
+    def gates(self) -> int:
+        return (2 * self.n + self.threads - 1) // self.threads
+
+    @property
+    def row_bits(self) -> list[int]:
+        return [1 << b for b in range(self.n.bit_length() - 1)]
+
+    @property
+    def slot_bits(self) -> list[int]:
+        return [self.n << b for b in range(self.slots.bit_length() - 1)]
+
+    def column(self, g):
+        return g % self.n
+
+    def row(self, g, e):
+        return g // self.n + self.slots * e
+
+    def gate(self, g, m):
+        return g + self.threads * m
+
+
+def spread_layout(n: int) -> SpreadLayout:
+    """The spread coefficient math's layout: a token's n x n matrix over n R threads of one warp, R = min(n,
+    32 // n) row slots per column, so that each thread holds n // R entries of one column (one at n <= 4, two
+    at n = 8). n must be a power of two (the butterfly sums)."""
     if n & (n - 1):
         raise ValueError(f"spread coefficients: expected n a power of two (1, 2, 4, 8), got n = {n}")
     rows = min(n, 32 // n)
-    return n * rows, rows
+    return SpreadLayout(n, n * rows, rows)
 
 
 def spread_coefficient_macros(n: int, width: int, splits: int, *, iterations: int = 20, eps: float = 1e-6,
@@ -258,12 +296,11 @@ def spread_coefficient_macros(n: int, width: int, splits: int, *, iterations: in
     """
     m = mixes_width(n)
     k = n * width
-    P, R = spread_layout(n)
-    E = n // R
-    M2 = (2 * n + P - 1) // P  # pre/post entries per thread
-    row_bits = [1 << b for b in range(n.bit_length() - 1)]  # xor offsets over j
-    slot_bits = [n << b for b in range(R.bit_length() - 1)]  # xor offsets over the row slot
+    layout = spread_layout(n)
+    E, M2 = layout.entries, layout.gates  # matrix entries and pre/post entries per thread
+    row_bits, slot_bits = layout.row_bits, layout.slot_bits  # xor offsets over j, over the row slot
     all_bits = row_bits + slot_bits
+    row, column, gate = layout.row, layout.column, layout.gate
     steps = ["column"] + ["row", "column"] * (iterations - 1)
     offsets, at = [], 0
     for kind in steps:
@@ -298,16 +335,16 @@ def spread_coefficient_macros(n: int, width: int, splits: int, *, iterations: in
     def load_token(tok, g, partial, mx, red):
         """The thread's raw projections and the token's sum of squares from the partials; red[3] = r."""
         for e in entries:
-            gather(partial, tok, 2 * n + (g // n + R * e) * n + g % n, mx, e)
+            gather(partial, tok, 2 * n + row(g, e) * n + column(g), mx, e)
         for p in pps:
-            gather(partial, tok, T.min(g + P * p, 2 * n - 1), mx, E + p)
+            gather(partial, tok, T.min(gate(g, p), 2 * n - 1), mx, E + p)
         gather(partial, tok, m, mx, E + M2)
         red[3] = T.rsqrt(mx[E + M2] / T.float32(k) + T.float32(rms_eps))
 
     @T.macro
     def softmax_rows(g, a_res, bias, mx, c, line):
         for e in entries:
-            c[e] = a_res * mx[e] + bias[2 * n + (g // n + R * e) * n + g % n]
+            c[e] = a_res * mx[e] + bias[2 * n + row(g, e) * n + column(g)]
             line[e] = c[e]
             butterfly_max(line, e, row_bits)
             c[e] = T.exp(c[e] - line[e])
@@ -344,7 +381,7 @@ def spread_coefficient_macros(n: int, width: int, splits: int, *, iterations: in
         load_token(tok, g, partial, mx, red)
         r = red[3]
         for p in pps:
-            q = g + P * p
+            q = gate(g, p)
             z = T.if_then_else(q < n, alpha[0] * r, alpha[1] * r) * mx[E + p] + bias[T.min(q, 2 * n - 1)]
             pp[p] = T.if_then_else(q < n, T.sigmoid(z) + T.float32(eps), T.float32(2.0) * T.sigmoid(z))
         sinkhorn(g, 0, alpha[2] * r, bias, mx, c, line, None)
@@ -358,7 +395,7 @@ def spread_coefficient_macros(n: int, width: int, splits: int, *, iterations: in
         a_res = alpha[2] * r
         # the pre and post entries: sigmoid backward
         for p in pps:
-            q = g + P * p
+            q = gate(g, p)
             qc = T.min(q, 2 * n - 1)
             s = T.sigmoid(T.if_then_else(q < n, a_pre, a_post) * mx[E + p] + bias[qc])
             up = T.if_then_else(q < n, dpre[tok, T.min(q, n - 1)],
@@ -368,7 +405,7 @@ def spread_coefficient_macros(n: int, width: int, splits: int, *, iterations: in
         sinkhorn(g, tx, a_res, bias, mx, c, line, kept)
         # comb holds H_res transposed: the gradient of comb[i, j] is dres[j, i]
         for e in entries:
-            dc[e] = dres[tok, g % n, g // n + R * e]
+            dc[e] = dres[tok, column(g), row(g, e)]
         for kind, off in zip(reversed(steps), reversed(offsets)):
             if kind == "column":
                 line[0] = sum([dc[e] * c[e] for e in entries])
@@ -389,8 +426,8 @@ def spread_coefficient_macros(n: int, width: int, splits: int, *, iterations: in
             butterfly_sum(line, e, row_bits)
             dc[e] = c[e] * (dc[e] - line[e])
         # the three groups' sums of dlogit * mix over the token's threads
-        red[0] = sum([T.if_then_else(g + P * p < n, pp[p] * mx[E + p], T.float32(0)) for p in pps])
-        red[1] = sum([T.if_then_else(g + P * p >= n, pp[p] * mx[E + p], T.float32(0)) for p in pps])
+        red[0] = sum([T.if_then_else(gate(g, p) < n, pp[p] * mx[E + p], T.float32(0)) for p in pps])
+        red[1] = sum([T.if_then_else(gate(g, p) >= n, pp[p] * mx[E + p], T.float32(0)) for p in pps])
         red[2] = sum([dc[e] * mx[e] for e in entries])
         for i in [0, 1, 2]:
             butterfly_sum(red, i, all_bits)

@@ -300,9 +300,8 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
     KH = gemm_depth(n)
     K2 = 2 * KH
     CP = coef_width(n)
-    P, R = spread_layout(n)
-    E = n // R
-    M2 = (2 * n + P - 1) // P
+    layout = spread_layout(n)
+    P, E, M2 = layout.threads, layout.entries, layout.gates
     TPC = threads // P  # tokens per CTA
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"pre backward (coefficients, spread): expected threads a multiple of 32 in [32, 1024], "
@@ -318,19 +317,18 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
             tx = T.get_thread_binding()
             g = tx % P
             slot = tx // P
-            j = g % n
             token = b * TPC + slot
             tok = T.min(token, dpre.shape[0] - 1)  # every thread of a warp runs the shuffles; stores are guarded
             spread.backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)
             r = red[3]
             if token < dpre.shape[0]:
                 for e in T.unroll(E):
-                    q = 2 * n + (g // n + R * e) * n + j
+                    q = 2 * n + layout.row(g, e) * n + layout.column(g)
                     dlogit[tok, q] = dc[e]
                     dmix[tok, q] = dc[e] * (alpha[2] * r)
                     dmix_s[slot, q] = dc[e] * (alpha[2] * r)
                 for p in T.unroll(M2):
-                    q = g + P * p
+                    q = layout.gate(g, p)
                     if q < 2 * n:
                         d = pp[p] * (T.if_then_else(q < n, alpha[0], alpha[1]) * r)
                         dlogit[tok, q] = pp[p]

@@ -257,9 +257,8 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
 
 def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
     """coefficients_program's body with spread=True, a T.macro of its arguments: T // (threads / (n R)) CTAs."""
-    P, R = spread_layout(n)
-    E = n // R
-    M2 = (2 * n + P - 1) // P
+    layout = spread_layout(n)
+    P, E, M2 = layout.threads, layout.entries, layout.gates
     TPC = threads // P  # tokens per CTA
     spread = spread_coefficient_macros(n, C, splits, iterations=iterations)
 
@@ -274,9 +273,9 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
             spread.coefficients(tok, g, partial, bias, alpha, mx, c, line, pp, red)
             if token < pre_out.shape[0]:
                 for e in T.unroll(E):
-                    res_out[tok, g % n, g // n + R * e] = c[e]  # comb is H_res transposed
+                    res_out[tok, layout.column(g), layout.row(g, e)] = c[e]  # comb is H_res transposed
                 for p in T.unroll(M2):
-                    q = g + P * p
+                    q = layout.gate(g, p)
                     if q < n:
                         pre_out[tok, q] = pp[p]
                     elif q < 2 * n:
