@@ -805,10 +805,15 @@ def test_cuda_split_coefficient_kernels_match_the_fused_one(n, C, tokens):
         assert _relmax(outs[name][3][:, :3].double().sum(0), want.alpha) < 1e-4, name
 
 
-def _layer_weight(C, device):
-    """The site layer's weight [C, C] float64, seeded: the same in every process."""
+def _cuda_site_case(n, C, tokens):
+    """One CUDA site test's inputs: x (bf16), phi, bias, alpha, the layer's weight [C, C] float64, the upstream
+    gradient g, all seeded (the same in every process), and the float64 truth of the site's gradients."""
+    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
+    x = x.to(torch.bfloat16)
     gen = torch.Generator().manual_seed(C)
-    return (torch.randn(C, C, dtype=torch.float64, generator=gen) / math.sqrt(C)).to(device)
+    weight = (torch.randn(C, C, dtype=torch.float64, generator=gen) / math.sqrt(C)).to("cuda")
+    g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
+    return x, phi, bias, alpha, weight, g, _site_truth(x, phi, bias, alpha, weight, g)
 
 
 def _cuda_site_grads(x, phi, bias, alpha, weight, g, linked):
@@ -825,23 +830,24 @@ def _assert_site_grads_close(got, want, site):
         assert rel < 2e-2, (site, name, rel)
 
 
+def _assert_site_grads_repeat(got, again):
+    """The same gradients bit for bit from two runs of the same site."""
+    for name, a, b in zip(("x", "phi", "bias", "alpha"), got, again):
+        assert torch.equal(a, b), f"{name}: two runs differ (the backward must be deterministic)"
+
+
 @needs_cuda
 @pytest.mark.parametrize("phases", ["fused", "spread"])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_backward_matches_reference_and_repeats_bitwise(n, C, tokens, phases):
     from mhc_lab.ops.training import coefficient_phases
 
-    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
-    x = x.to(torch.bfloat16)
-    weight = _layer_weight(C, "cuda")
-    g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
-    want = _site_truth(x, phi, bias, alpha, weight, g)
+    x, phi, bias, alpha, weight, g, want = _cuda_site_case(n, C, tokens)
     with coefficient_phases(phases):
         runs = [_cuda_site_grads(x, phi, bias, alpha, weight, g, linked) for linked in (False, True, True)]
     for site, got in (("separate", runs[0]), ("linked", runs[1])):
         _assert_site_grads_close(got, want, site)
-    for name, a, again in zip(("x", "phi", "bias", "alpha"), runs[1], runs[2]):
-        assert torch.equal(a, again), f"{name}: two runs differ (the backward must be deterministic)"
+    _assert_site_grads_repeat(runs[1], runs[2])
 
 
 @needs_cuda
@@ -851,16 +857,11 @@ def test_cuda_linked_site_with_the_post_gradient_to_pre_matches_float64(n, C, to
     deterministic."""
     from mhc_lab.ops.training import post_gradient_to_pre
 
-    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
-    x = x.to(torch.bfloat16)
-    weight = _layer_weight(C, "cuda")
-    g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
-    want = _site_truth(x, phi, bias, alpha, weight, g)
+    x, phi, bias, alpha, weight, g, want = _cuda_site_case(n, C, tokens)
     with post_gradient_to_pre(True):
         runs = [_cuda_site_grads(x, phi, bias, alpha, weight, g, True) for _ in range(2)]
     _assert_site_grads_close(runs[0], want, "linked, g to the pre")
-    for name, a, again in zip(("x", "phi", "bias", "alpha"), *runs):
-        assert torch.equal(a, again), f"{name}: two runs differ (the backward must be deterministic)"
+    _assert_site_grads_repeat(*runs)
 
 
 @needs_cuda
@@ -872,11 +873,7 @@ def test_cuda_site_with_a_lane_tuning_matches_float64(n, C, tokens, tuning):
     gradients bit for bit."""
     from mhc_lab.ops.training import lane_tuning
 
-    x, phi, bias, alpha, _ = _site_inputs((tokens,), n, C, seed=tokens, device="cuda")
-    x = x.to(torch.bfloat16)
-    weight = _layer_weight(C, "cuda")
-    g = _upstream((tokens,), n, C, seed=3, device="cuda")[3]
-    want = _site_truth(x, phi, bias, alpha, weight, g)
+    x, phi, bias, alpha, weight, g, want = _cuda_site_case(n, C, tokens)
 
     for linked in (False, True):
         with lane_tuning(**tuning):
