@@ -260,11 +260,17 @@ class SpreadLayout(NamedTuple):
         return g + self.threads * m
 
 
+def spread_fits(n: int) -> bool:
+    """Whether the spread kernels take n lanes: n a power of two (their butterfly sums); other n run a token
+    per thread."""
+    return n & (n - 1) == 0
+
+
 def spread_layout(n: int) -> SpreadLayout:
     """The spread coefficient math's layout: a token's n x n matrix over n R threads of one warp, R = min(n,
     32 // n) row slots per column, so that each thread holds n // R entries of one column (one at n <= 4, two
-    at n = 8). n must be a power of two (the butterfly sums)."""
-    if n & (n - 1):
+    at n = 8). n must be a power of two (spread_fits)."""
+    if not spread_fits(n):
         raise ValueError(f"spread coefficients: expected n a power of two (1, 2, 4, 8), got n = {n}")
     rows = min(n, 32 // n)
     return SpreadLayout(n, n * rows, rows)

@@ -321,6 +321,9 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
             tok = T.min(token, dpre.shape[0] - 1)  # every thread of a warp runs the shuffles; stores are guarded
             spread.backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)
             r = red[3]
+            # the gradient of sum(x^2): kept in extra, and doubled in coef
+            ds = ((alpha[0] * red[0] + alpha[1] * red[1] + alpha[2] * red[2]) * T.float32(-0.5) * r * r * r
+                  / T.float32(n * C))
             if token < dpre.shape[0]:
                 for e in T.unroll(E):
                     q = 2 * n + layout.row(g, e) * n + layout.column(g)
@@ -337,8 +340,7 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
                 if g == 0:
                     for i in T.unroll(3):
                         extra[tok, i] = red[i] * r
-                    extra[tok, 3] = ((alpha[0] * red[0] + alpha[1] * red[1] + alpha[2] * red[2]) * T.float32(-0.5)
-                                     * r * r * r / T.float32(n * C))
+                    extra[tok, 3] = ds
             T.sync_threads()
             if token < dpre.shape[0]:
                 # kernel 2's operands, as lane_operands writes them, spread over the token's threads
@@ -352,13 +354,11 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
                         dsplit[tok, 0, kk] = dh
                         dsplit[tok, 1, kk] = T.if_then_else(kk < KH, dl, T.cast(0, "bfloat16"))
                         dsplit[tok, 2, kk] = T.if_then_else(kk < KH, dh, dl)
-                ds2 = ((alpha[0] * red[0] + alpha[1] * red[1] + alpha[2] * red[2]) * T.float32(-1.0)
-                       * r * r * r / T.float32(n * C))
                 for p in T.unroll((CP + P - 1) // P):
                     jj = g + P * p
                     if jj < CP:
                         coef[tok, jj] = T.if_then_else(jj < n, pre[tok, T.min(jj, n - 1)],
-                                                       T.if_then_else(jj == n, ds2, T.float32(0)))
+                                                       T.if_then_else(jj == n, T.float32(2) * ds, T.float32(0)))
 
     return spread_tokens
 

@@ -37,6 +37,7 @@ from mhc_lab.kernels._coefficients import (
     mixes_width,
     partial_sum_macro,
     spread_coefficient_macros,
+    spread_fits,
     spread_layout,
     store_coefficients_macro,
 )
@@ -221,7 +222,7 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
     M, S = mixes_width(n), splits
     NT = T.dynamic("T")
     if spread is None:
-        spread = t != "c" and not n & (n - 1)
+        spread = t != "c" and spread_fits(n)
     if spread and t == "c":
         raise ValueError("pre coefficients: spread=True spreads a token over a warp's threads, CUDA only")
     coefficients = coefficient_macro(n, C, iterations=iterations)
@@ -347,7 +348,7 @@ def split_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda",
                                               splits=splits, stages=stages), target,
                               pass_configs=None if project_ws else NO_WARP_SPECIALIZATION)
     if apply_phases == "split":
-        spread = spread_coefficients and not n & (n - 1)
+        spread = None if spread_coefficients else False  # None: where coefficients_program can spread
         coefficients = compile_program(coefficients_program(n, C, target, splits=splits, spread=spread), target)
         mix = compile_program(mix_program(n, C, dtype, target), target)
 

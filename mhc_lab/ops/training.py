@@ -534,7 +534,9 @@ def coefficient_phases(phases: str):
 
 def _coefficient_phases_for(n: int) -> str:
     """COEFFICIENT_PHASES for n lanes: "spread" needs n a power of two, and runs as "fused" otherwise."""
-    if COEFFICIENT_PHASES == "spread" and n & (n - 1):
+    from mhc_lab.kernels._coefficients import spread_fits
+
+    if COEFFICIENT_PHASES == "spread" and not spread_fits(n):
         return "fused"
     return COEFFICIENT_PHASES
 
