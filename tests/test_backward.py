@@ -326,8 +326,10 @@ def test_lane_kernel_stages_the_posts_dx_for_sm90():
 
     plain, linked = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=a, splits=2),
                                      "sm_90").get_kernel_source() for a in (False, True))
-    # each lane's dx_post tile arrives by a bulk copy into shared memory, with the other operands
-    assert linked.count("tma_load") == plain.count("tma_load") + lane_tiling(4, True)[0]
+    # each lane's dx_post tile arrives by a bulk copy into shared memory, with the other operands (and each
+    # lane's x tile: the two kernels may take different numbers of lanes per CTA)
+    lanes_plain, lanes_linked = lane_tiling(4)[0], lane_tiling(4, True)[0]
+    assert linked.count("tma_load") == plain.count("tma_load") + (lanes_linked - lanes_plain) + lanes_linked
 
 
 @needs_nvcc
@@ -348,11 +350,12 @@ def test_lane_kernel_gives_two_consumer_warpgroups_their_own_tokens_for_sm90(add
 @needs_nvcc
 def test_lane_kernel_trims_the_lo_product_to_its_rows_for_sm90():
     """trim_lo: the lo.hi product's K is the KH rows that are not zero, half the instructions (C = 4096, n = 4:
-    K = 2 x 32 issued as 4 m64n32k16, trimmed as 2), and only those columns of dsplit's lo row are loaded."""
+    K = 2 x 32 issued as 4 m64n32k16, trimmed as 2, for each lane of the CTA), and only those columns of
+    dsplit's lo row are loaded."""
     import re
 
     from mhc_lab.kernels._target import compile_program
-    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+    from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
 
     def products(source):  # the trip counts of the loops that issue the tensor-core instructions
         return sorted(int(k) for k in re.findall(r"for \(int ki\w* = 0; ki\w* < (\d+);", source))
@@ -360,7 +363,37 @@ def test_lane_kernel_trims_the_lo_product_to_its_rows_for_sm90():
     whole, trimmed = (compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True,
                                                                  trim_lo=t), "sm_90").get_kernel_source()
                       for t in (False, True))
-    assert products(whole) == [4] * 6 and products(trimmed) == [2, 2] + [4] * 4  # per lane: hi, lo, dphi
+    lanes = lane_tiling(4, True)[0]
+    assert products(whole) == [4] * 3 * lanes and products(trimmed) == [2] * lanes + [4] * 2 * lanes  # hi, lo, dphi
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n,dx_products", [(1, 3), (2, 3), (4, 3), (4, 1), (8, 3)])
+def test_lane_kernel_overlapped_waits_for_each_lane_and_releases_its_operands_last_for_sm90(n, dx_products):
+    """overlap_dx: per token tile, each lane's dx GEMMs are issued before the previous lane's epilogue (which
+    first waits for all but the newest lane's groups, then fences the accumulator it reads), and the stage's
+    GEMM operands (dmix's three splits, the lanes' x tiles) are handed back to the producer only after the
+    tile's last wait."""
+    import re
+
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
+
+    source = compile_program(pre_backward_lanes_program(n, 4096, "bfloat16", "sm_90", add_dx=True, overlap_dx=True,
+                                                        dx_products=dx_products),
+                             "sm_90").get_kernel_source()
+    lanes = lane_tiling(n, True)[0]
+    consumer = source[source.index("warpgroup_reg_alloc"):]
+    waits = re.findall(r"wait_wgmma<(\d+)>", consumer)
+    assert waits == [str(2 if dx_products == 3 else 1)] * (lanes - 1) + ["0", "0"]
+    # the GEMMs issued before the first wait: the first two lanes' dx products (one lane's with one lane)
+    first_wait = consumer.index("wait_wgmma<")
+    per_lane = 2 if dx_products == 3 else 1  # commit groups of one lane's dx GEMMs
+    assert consumer[:first_wait].count("warpgroup_commit_batch") == min(lanes, 2) * per_lane
+    tail = consumer[consumer.rindex("wait_wgmma<0>"):]
+    released = re.findall(r"mbarrier\[\(\(tb_1 [%&] \d+\) \+ \d+\)\]\.arrive\(\)", tail)  # % or & by the stages
+    operands = 2 + (dx_products == 3) + lanes  # a_dx, a_hl (a_l0), the lanes' x tiles
+    assert len(released) == operands, released
 
 
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
@@ -371,6 +404,9 @@ def test_lane_kernel_refuses_tiles_beyond_shared_memory():
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4, block_c=64, stages=2)
     with pytest.raises(ValueError, match=r"leave_out takes a prefix of .*, got \('dx_gemm',\)"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", leave_out=("dx_gemm",))
+    with pytest.raises(ValueError, match=r"leave_out times parts of the plain lane loop; overlap_dx .* got "
+                                         r"leave_out = \('dphi',\)"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", overlap_dx=True, leave_out=("dphi",))
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -865,7 +901,8 @@ def test_cuda_linked_site_with_the_post_gradient_to_pre_matches_float64(n, C, to
 
 
 @needs_cuda
-@pytest.mark.parametrize("tuning", [{"trim_lo": False}, {"block_tokens": 128, "threads": 256}])
+@pytest.mark.parametrize("tuning", [{"trim_lo": False}, {"block_tokens": 128, "threads": 256}, {"overlap_dx": False},
+                                    {"overlap_dx": True}])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_site_with_a_lane_tuning_matches_float64(n, C, tokens, tuning):
     """Whole sites (separate and linked) with kernel 2 tuned through lane_tuning: gradients at bf16 tolerance
@@ -921,7 +958,9 @@ def _lane_operands(tokens, n, C, seed):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}, {"trim_lo": False}])
+@pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}, {"trim_lo": False},
+                                    {"overlap_dx": False}, {"overlap_dx": True},
+                                    {"overlap_dx": True, "dx_products": 1}])
 @pytest.mark.parametrize("add_dx", [False, True])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
@@ -947,6 +986,38 @@ def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
         want = want + dx_post.double()
     assert _relmax(dx, want) < 1e-2
     assert _relmax(dphi_from_partial(partial, n), dmix.cuda().t() @ xd.reshape(tokens, n * C)) < 1e-4
+
+
+@needs_cuda
+@pytest.mark.parametrize("extra", ["none", "add_dx", "post_grad"])
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
+def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, extra):
+    """overlap_dx reorders only when each GEMM is waited for, not what any accumulator sums or in which order:
+    dx and dphi are the plain kernel's bit for bit, with every extra operand, in the default tiling and with one
+    lane per CTA."""
+    from mhc_lab.kernels.pre_backward import gemm_depth, pre_backward_kernels
+
+    x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 3, device="cuda")
+    x = x.to(torch.bfloat16)
+    dy, _, _, g = _upstream((tokens,), n, C, seed=5, device="cuda")
+    dy, g = dy.to(torch.bfloat16), g.to(torch.bfloat16)
+    dsplit, coef, _ = _lane_operands(tokens, n, C, seed=tokens + 1)
+    more = {"none": [], "add_dx": [g], "post_grad": [g, torch.rand(tokens, n, n, device="cuda")]}[extra]
+    flags = {"add_dx": extra == "add_dx", "post_grad": extra == "post_grad"}
+    groups = [{}] + ([{"lane_group": 1}] if extra != "post_grad" and n > 1 else [])  # the default and one lane
+    orders = [{"overlap_dx": False}, {"overlap_dx": True}]
+    for group in groups:
+        outs = []
+        for order in orders:
+            _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, lane_splits=2, **order, **flags,
+                                            **group)
+            dx = torch.full_like(x, float("nan"))
+            partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
+            lanes(x, dy, dsplit, coef, phi.float(), *more, dx, partial)
+            outs.append((dx, partial))
+        for order, (dx, partial) in zip(orders[1:], outs[1:]):
+            assert torch.equal(outs[0][0], dx), f"dx differs ({extra}, {group}, {order})"
+            assert torch.equal(outs[0][1], partial), f"dphi partial differs ({extra}, {group}, {order})"
 
 
 def test_training_benchmark_times_every_op_it_names():

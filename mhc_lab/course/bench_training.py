@@ -243,10 +243,10 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     "warp_specialized"} for the fused kernel, or {"phases": "fused", "split" or "spread", "spread":
     {"threads"}}; the two kernels of "split" and "spread" are also timed each alone), kernel 2 for each tuning
     variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads",
-    "trim_lo", "add_dx", "leave_out"}); every variant's outputs are compared with the first's of the same
-    add_dx without leave_out (a timing experiment's differ by design). A variant without "lane_splits" runs
-    the token splits a site runs (lane_splits_for on this GPU, for the default tiling), recorded in its row
-    as "token_splits"."""
+    "trim_lo", "overlap_dx", "add_dx", "post_grad", "leave_out"}); every variant's outputs are compared with
+    the first's of the same add_dx and post_grad without leave_out (a timing experiment's differ by design). A
+    variant without "lane_splits" runs the token splits a site runs (lane_splits_for on this GPU, for the
+    variant's lanes and columns), recorded in its row as "token_splits"."""
     from mhc_lab.kernels.pre_backward import (
         coef_width,
         dphi_from_partial,
@@ -301,26 +301,30 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
             row["error"] = repr(e)[:400]
             log(f"    kernel 1 {cfg}: FAILED {repr(e)[:300]}")
         out["coefficients"].append(row)
-    references = {}  # the first variant's outputs, per add_dx (the linked site's kernel also adds dx_post)
-    dx_post = torch.randn_like(x)
+    references = {}  # the first variant's outputs, per extra operand (the linked site's kernel adds dx_post,
+    # or with post_grad H_res^T g)
+    dx_post, res_post = torch.randn_like(x), torch.rand((tokens, n, n), **f32)
     for cfg in variants:
         row = dict(cfg)
         try:
-            add_dx = bool(cfg.get("add_dx", False))
-            splits = row["token_splits"] = cfg.get("lane_splits") or _training_ops._lane_splits(n, C, x.device, add_dx)
+            add_dx, post_grad = bool(cfg.get("add_dx", False)), bool(cfg.get("post_grad", False))
+            splits = row["token_splits"] = (cfg.get("lane_splits")
+                                            or _training_ops._lane_splits(n, C, x.device, add_dx, post_grad, cfg))
             _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                             **{**hashable_tuning(cfg), "lane_splits": splits})
             dx = torch.empty_like(x)
             dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
-            args = (x, dy, dsplit, coef, phi, *([dx_post] if add_dx else []), dx, dphi_partial)
+            more = [dx_post] if add_dx else [dx_post, res_post] if post_grad else []
+            args = (x, dy, dsplit, coef, phi, *more, dx, dphi_partial)
             lanes(*args)
             dphi = dphi_from_partial(dphi_partial, n)
+            key = (add_dx, post_grad)
             if not cfg.get("leave_out"):  # a timing experiment's outputs are wrong: never the reference
-                references.setdefault(add_dx, (dx.clone(), dphi.clone()))
-            reference = references.get(add_dx, (dx, dphi))
+                references.setdefault(key, (dx.clone(), dphi.clone()))
+            reference = references.get(key, (dx, dphi))
             row["rel_dx"], row["rel_dphi"] = _rel(dx, reference[0]), _rel(dphi, reference[1])
             row["ms"] = bench(lambda: lanes(*args)) * 1e3
-            moved = 13 if add_dx else 9
+            moved = 13 if add_dx or post_grad else 9
             row[f"gbps_{moved}C"] = tokens * moved * C * 2 / (row["ms"] * 1e-3) / 1e9
             log(f"    {cfg}: {row['ms']:.3f} ms, {row[f'gbps_{moved}C']:.0f} GB/s on {moved}C, "
                 f"vs first: dx {row['rel_dx']:.1e} dphi {row['rel_dphi']:.1e}")

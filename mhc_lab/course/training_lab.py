@@ -552,13 +552,14 @@ KERNEL2_STEP_LABELS = ("  without the dphi GEMM", "  also without the dx GEMMs",
                       "  also without the dmix operands' loads")
 
 
-def kernel2_steps_table(recording: dict | None = None, run: str = "U") -> str:
+def kernel2_steps_table(recording: dict | None = None, run: str = "U", lane_group: int = 2) -> str:
     """Kernel 2 of the pre backward (dx and the dphi partials) taken apart on the H200: its time as it is, then
     with one part after another left out (timing experiments: python -m mhc_lab.bench training --parts sweep
     with "leave_out"), and its bytes at the recording's copy bandwidth; with the linked site's dx_post (13C per
     token) and without it (9C). Only shapes where the sweep's one token split is what the site runs too (the
     wave rule of lane_splits_for on the recording's GPU; a row's "token_splits", or 1 where an older sweep did not
-    record it), so that each column is the kernel as a site runs it."""
+    record it), so that each column is the kernel as a site runs it. ``lane_group``: the lanes per CTA a site's
+    kernel 2 took when the run was made (two in run U; the splits rule depends on it)."""
     from mhc_lab.kernels.pre_backward import LANE_LEAVE_OUT_STEPS, lane_splits_for
 
     recording = recording if recording is not None else load_recorded()
@@ -568,7 +569,8 @@ def kernel2_steps_table(recording: dict | None = None, run: str = "U") -> str:
     n = results.get("n", 4)
 
     def as_a_site_runs(shape, row):  # the splits a site runs, and no other tuning
-        rule = lane_splits_for(n, shape["C"], sms, add_dx=bool(row.get("add_dx"))) if sms else None
+        rule = (lane_splits_for(n, shape["C"], sms, add_dx=bool(row.get("add_dx")), lane_group=lane_group)
+                if sms else None)
         tuned = set(row) & {"lane_splits", *LANE_TUNABLE}
         return row.get("token_splits", 1) == rule and not tuned
 

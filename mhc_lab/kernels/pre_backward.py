@@ -438,7 +438,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                add_dx: bool = False, splits: int = 1, block_tokens: int = 64,
                                block_c: int | None = None, lane_group: int | None = None,
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
-                               trim_lo: bool = True, post_grad: bool = False, leave_out: tuple = ()):
+                               trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
+                               leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -465,6 +466,16 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     With add_dx each lane's dx_post tile comes into shared memory with the token loop's other operands, so the
     pipeline fetches it ahead (read from global memory where it is added instead, the 4C cost 0.40 ms at
     16384 x 4096 on the H200; staged, 0.22 ms, 2026-11-30).
+
+    overlap_dx (CUDA): each lane's dx GEMMs are issued before the previous lane's epilogue and its dphi GEMM
+    after it, none waited for at its issue, so the tensor cores run the next lane's products while the CUDA
+    cores finish this lane's dx; each lane's dx accumulator is its own. A read of each staged operand after the
+    last wait keeps the pipeline's release of the stage behind it. Default (None): on with dx_post or g, where
+    it was faster at every width (run AK, with lane_tiling's four lanes: 0.446 / 0.631 / 0.610 ms against
+    0.489 / 0.702 / 0.653 plain at C = 2560 / 4096 / 7168; with two lanes 0.470 / 0.654 / 0.611), off without
+    them, where it was not (0.531 against 0.498 ms at 16384 x 4096 in run AJ, level at the other widths).
+    Taking dmix from registers instead of shared memory (wgmma's RS form) was slower in every case (run AK,
+    0.671-0.828 ms at C = 4096), and was removed (H200, 2026-11-30, kernel notes, version 28).
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -543,6 +554,12 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         return lanes_backward_c
 
     left = leave_out_prefix("pre backward (lanes)", LANE_LEAVE_OUT_STEPS, leave_out)
+    if overlap_dx is None:
+        overlap_dx = (add_dx or post_grad) and not left
+    if overlap_dx and left:
+        raise ValueError(f"pre backward (lanes): leave_out times parts of the plain lane loop; overlap_dx has its "
+                         f"own order of GEMMs and epilogues, so the two do not go together, got leave_out = "
+                         f"{tuple(leave_out)}")
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
@@ -563,6 +580,30 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                          f"shared memory, more than the {SMEM_LIMIT} a CTA may use; take fewer lanes (lane_group), "
                          f"columns or stages")
 
+    ASYNC = {"wg_wait": -1}  # issue the GEMM without waiting for it (T.wait_wgmma waits)
+
+    @T.macro
+    def dx_gemms(a_dx, a_l0, phi_j, acc, annotations):
+        # hi (phi_hi + phi_lo), then lo phi_hi; with more than one consumer warpgroup (block_tokens 128, 256
+        # threads) each takes its own 64 tokens, all 32 columns (m64n32k16)
+        T.clear(acc)
+        T.gemm(a_dx, phi_j, acc, policy=T.GemmWarpPolicy.FullRow, annotations=annotations)
+        if dx_products == 3:
+            T.gemm(a_l0, phi_j[0 : KH if trim_lo else K2, 0:BC], acc, policy=T.GemmWarpPolicy.FullRow,
+                   annotations=annotations)
+
+    @T.macro
+    def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_tile):
+        for tt, c in T.Parallel(BT, BC):
+            v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
+                 + coef_s[tt, n] * T.cast(x_j[tt, c], "float32"))
+            if dp_j is not None:  # the post's gradient of the same lanes, read once
+                v = v + T.cast(dp_j[tt, c], "float32")
+            if gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA)
+                v = v + sum([res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32") for i in lanes])
+            dxf[tt, c] = T.cast(v, dtype)
+        T.copy(dxf, dx_tile)
+
     @T.macro
     def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial):
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
@@ -574,11 +615,14 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             dys = T.alloc_shared((BT, BC), dtype)
             coef_s = T.alloc_shared((BT, CP), "float32")  # H_pre per lane, then 2 ds
             acc = T.alloc_fragment((BT, BC), "float32")
+            accs = [acc] + [T.alloc_fragment((BT, BC), "float32") for _ in (group[1:] if overlap_dx else ())]
             dxf = T.alloc_fragment((BT, BC), dtype)
-            dps = [T.alloc_shared((BT, BC), dtype) for _ in group] if dx_post is not None else None
+            # the post's dx tiles, one per lane (None without add_dx)
+            dps = [T.alloc_shared((BT, BC), dtype) if dx_post is not None else None for _ in group]
             gs = [T.alloc_shared((BT, BC), dtype) for _ in lanes] if g is not None else None
             res_s = T.alloc_shared((BT, n, n), "float32") if g is not None else None
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
+            keep = T.alloc_local((1,), "float32") if overlap_dx else None
             c0 = bc * BC
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
             for jj in group:
@@ -604,34 +648,41 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
                 for jj in group:
                     T.copy(x[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], xs[jj])
-                    if dps is not None:
+                    if dx_post is not None:
                         T.copy(dx_post[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], dps[jj])
                 if gs is not None:
                     for i in lanes:
                         T.copy(g[t0 : t0 + BT, i, c0 : c0 + BC], gs[i])
                     T.copy(res[t0 : t0 + BT, 0:n, 0:n], res_s)
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
-                for jj in group:
-                    j = lg * LG + jj
-                    T.clear(acc)
-                    if "dx_gemm" not in left:
-                        # hi (phi_hi + phi_lo), then lo phi_hi; with more than one consumer warpgroup (block_tokens
-                        # 128, 256 threads) each takes its own 64 tokens, all 32 columns (m64n32k16)
-                        T.gemm(a_dx, phi_s[jj], acc, policy=T.GemmWarpPolicy.FullRow)
-                        if dx_products == 3:
-                            T.gemm(a_l0, phi_s[jj][0 : KH if trim_lo else K2, 0:BC], acc,
-                                   policy=T.GemmWarpPolicy.FullRow)
-                    for tt, c in T.Parallel(BT, BC):
-                        v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
-                             + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
-                        if dps is not None:  # the post's gradient of the same lanes, read once
-                            v = v + T.cast(dps[jj][tt, c], "float32")
-                        if gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA)
-                            v = v + sum([res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32") for i in lanes])
-                        dxf[tt, c] = T.cast(v, dtype)
-                    T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
-                    if "dphi" not in left:
-                        T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
+                if overlap_dx:
+                    later = 2 if dx_products == 3 else 1  # wgmma groups one lane's dx GEMMs commit
+                    dx_gemms(a_dx, a_l0, phi_s[0], accs[0], ASYNC)
+                    for jj in group:
+                        if jj + 1 < LG:
+                            dx_gemms(a_dx, a_l0, phi_s[jj + 1], accs[jj + 1], ASYNC)
+                            T.wait_wgmma(later)
+                        else:
+                            T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(accs[jj], num_regs=BT * BC // threads)  # one thread's share
+                        dx_epilogue(accs[jj], lg * LG + jj, xs[jj], dys, coef_s, dps[jj], gs, res_s, dxf,
+                                    dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
+                        if "dphi" not in left:
+                            T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True, annotations=ASYNC)
+                    T.wait_wgmma(0)
+                    # the staged operands' last use: after the wait, so the stage is released only then
+                    gemm_operands = [a_dx, a_hl, *xs] + ([a_l0] if dx_products == 3 else [])
+                    keep[0] = sum([T.cast(b[0, 0], "float32") for b in gemm_operands], T.float32(0))
+                else:
+                    for jj in group:
+                        if "dx_gemm" in left:
+                            T.clear(accs[0])
+                        else:
+                            dx_gemms(a_dx, a_l0, phi_s[jj], accs[0], None)
+                        dx_epilogue(accs[0], lg * LG + jj, xs[jj], dys, coef_s, dps[jj], gs, res_s, dxf,
+                                    dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
+                        if "dphi" not in left:
+                            T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
             for jj in group:
                 j = lg * LG + jj
                 for k, c in T.Parallel(K2, BC):
@@ -676,19 +727,24 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
 
 def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False) -> tuple[int, int]:
-    """(lanes per CTA, columns per CTA) of kernel 2 on CUDA: 2 lanes (1 for odd n); with dx_post 32 columns,
-    without it the most columns (64 or 32) whose dphi accumulators, lanes x 2 gemm_depth(n) x columns float32,
-    stay within 128 registers per thread of a 128-thread CTA. On the H200 at n = 4 (2026-11-30):
-    - two lanes beat four: 0.513 against 0.548 ms at 16384 x 4096, 0.379 against 0.400 at 16384 x 2560, and
-      they leave the shared memory to stage the linked site's dx_post;
-    - with dx_post, 32 columns in 3 stages beat 64 in 2: 0.481 / 0.673 / 0.621 against 0.514 / 0.723 / 0.668
-      ms at C = 2560 / 4096 / 7168 (more CTAs, a deeper pipeline in the same shared memory);
-    - without it they lose: 0.413 / 0.562 / 0.519 against 0.376 / 0.513 / 0.493.
+    """(lanes per CTA, columns per CTA) of kernel 2 on CUDA. On the H200 at n = 4 (2026-11-30):
+    - without dx_post, 2 lanes (1 for odd n) and the most columns (64 or 32) whose dphi accumulators, lanes x
+      2 gemm_depth(n) x columns float32, stay within 128 registers per thread of a 128-thread CTA. Two lanes
+      beat four, 0.513 against 0.548 ms at 16384 x 4096, 0.379 against 0.400 at 16384 x 2560;
+    - with dx_post, 32 columns, which beat 64 (in 3 stages against 2: 0.481 / 0.673 / 0.621 against 0.514 /
+      0.723 / 0.668 ms at C = 2560 / 4096 / 7168; more CTAs, a deeper pipeline in the same shared memory), and
+      the most lanes up to 4 that divide n and fit two stages: with overlap_dx, whose overlap grows with the
+      lanes, 4 lanes beat 2, 0.446 / 0.631 / 0.610 against 0.470 / 0.654 / 0.611 ms (run AK). At n = 8 two
+      stages of 4 lanes do not fit, and it takes 2.
     With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit)."""
     if post_grad:
         return n, 32 if n <= 4 else 16
+    if add_dx:
+        for lanes in (4, 2, 1):
+            if n % lanes == 0 and lanes_shared_bytes(n, lanes, 64, 32, 2, True) <= SMEM_LIMIT:
+                return lanes, 32
     lanes = 2 if n % 2 == 0 else 1
-    if add_dx or lanes * 2 * gemm_depth(n) * 64 > 128 * 128:
+    if lanes * 2 * gemm_depth(n) * 64 > 128 * 128:
         return lanes, 32
     return lanes, 64
 
@@ -716,13 +772,16 @@ def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stag
 
 
 def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad: bool = False,
-                    least_efficiency: float = 0.9, most: int = 32) -> int:
+                    lane_group: int | None = None, block_c: int | None = None, least_efficiency: float = 0.9,
+                    most: int = 32) -> int:
     """Token splits S of kernel 2 on CUDA for a GPU with `sms` SMs. Its shared memory holds one CTA per SM,
     so its (column blocks x S) CTAs run in waves of `sms`; the last wave's empty SMs are lost time (at
     16384 x 2560 on the H200, 40 column blocks x 4 splits = 160 CTAs took 0.60 ms, more than 64 x 4 = 256
     CTAs at C = 4096 took). The smallest S whose waves are at least `least_efficiency` full, else the fullest
-    (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum)."""
-    lanes, columns = lane_tiling(n, add_dx, post_grad)
+    (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum). lane_group and block_c
+    as the kernel takes them (default lane_tiling's)."""
+    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad)
+    lanes, columns = lane_group or default_lanes, block_c or default_columns
     blocks = -(-C // columns) * (n // lanes)
 
     def fullness(splits: int) -> float:
@@ -768,7 +827,8 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
                          add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
                          block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
                          dx_products: int = 3, threads: int = 128, phases: str = "fused",
-                         trim_lo: bool = True, post_grad: bool = False, leave_out: tuple = ()):
+                         trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
+                         leave_out: tuple = ()):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -779,7 +839,8 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
-                                   "threads": threads, "trim_lo": trim_lo, "leave_out": leave_out}
+                                   "threads": threads, "trim_lo": trim_lo, "overlap_dx": overlap_dx,
+                                   "leave_out": leave_out}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, post_grad=post_grad,
                                                        **lanes_kw), t)
     return coefficients, lanes

@@ -117,12 +117,15 @@ def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
 
 
-def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool, post_grad: bool = False) -> int:
-    """Token splits of the pre backward's lane kernel: its CTAs in waves that fill the GPU's SMs."""
+def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool, post_grad: bool = False,
+                 tiling: dict | None = None) -> int:
+    """Token splits of the pre backward's lane kernel: its CTAs in waves that fill the GPU's SMs (with the
+    lane_group and block_c of ``tiling``, default LANE_TUNING's)."""
     from mhc_lab.kernels.pre_backward import lane_splits_for
 
+    tiling = LANE_TUNING if tiling is None else tiling
     return lane_splits_for(n, C, torch.cuda.get_device_properties(device).multi_processor_count, add_dx=add_dx,
-                           post_grad=post_grad)
+                           post_grad=post_grad, lane_group=tiling.get("lane_group"), block_c=tiling.get("block_c"))
 
 
 def _no_autocast(fn):
@@ -547,7 +550,7 @@ def chaining_on_cuda(enabled: bool):
     return _module_setting("CHAIN_ON_CUDA", bool(enabled))
 
 
-LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo")
+LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo", "overlap_dx")
 
 
 def check_lane_tuning(tuning: dict) -> dict:
