@@ -396,6 +396,23 @@ def test_lane_kernel_overlapped_waits_for_each_lane_and_releases_its_operands_la
     assert len(released) == operands, released
 
 
+@needs_nvcc
+def test_lane_kernel_two_ctas_per_sm_keep_their_registers_and_fit_for_sm90():
+    """ctas_per_sm = 2: the launch bounds ask for two CTAs per SM, the warpgroups keep the registers they launch
+    with (no setmaxnreg), and the default lanes and stages fit half an SM's shared memory (two lanes, two stages
+    with dx_post at n = 4)."""
+    from mhc_lab.kernels._target import compile_program, shared_per_cta
+    from mhc_lab.kernels.pre_backward import lane_stages, lane_tiling, lanes_shared_bytes, pre_backward_lanes_program
+
+    source = compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, ctas_per_sm=2),
+                             "sm_90").get_kernel_source()
+    assert "__launch_bounds__(256, 2)" in source and "reg_alloc" not in source
+    lanes, columns = lane_tiling(4, True, False, 2)
+    stages = lane_stages(4, lanes, 64, columns, True, False, 2)
+    assert (lanes, columns, stages) == (2, 32, 2)
+    assert lanes_shared_bytes(4, lanes, 64, columns, stages, True) <= shared_per_cta(2) < shared_per_cta(1) // 2
+
+
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
@@ -404,6 +421,13 @@ def test_lane_kernel_refuses_tiles_beyond_shared_memory():
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4, block_c=64, stages=2)
     with pytest.raises(ValueError, match=r"leave_out takes a prefix of .*, got \('dx_gemm',\)"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", leave_out=("dx_gemm",))
+    with pytest.raises(ValueError, match=r"8 lanes x 32 columns x 64 tokens in 1 stages with dx_post need 244736 "
+                                         r"bytes of shared memory, more than the 232448 each of 1 CTA\(s\) per SM"):
+        pre_backward_lanes_program(8, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=8)
+    with pytest.raises(ValueError, match=r"more than the 115712 each of 2 CTA\(s\) per SM may use"):
+        pre_backward_lanes_program(8, 4096, "bfloat16", "sm_90", add_dx=True, ctas_per_sm=2)
+    with pytest.raises(ValueError, match=r"ctas_per_sm is 1 or 2, got 3"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", ctas_per_sm=3)
     with pytest.raises(ValueError, match=r"leave_out times parts of the plain lane loop; overlap_dx .* got "
                                          r"leave_out = \('dphi',\)"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", overlap_dx=True, leave_out=("dphi",))
@@ -426,18 +450,20 @@ def test_lane_kernel_takes_the_deepest_pipeline_that_fits(n, add_dx):
 @pytest.mark.parametrize("n,C,sms", [(4, 2560, 132), (4, 4096, 132), (4, 7168, 132), (8, 4096, 132), (2, 40, 132),
                                      (4, 4096, 78), (1, 100000, 16)])
 @pytest.mark.parametrize("add_dx", [False, True])
-def test_lane_splits_fill_the_waves_of_ctas(n, C, sms, add_dx):
-    # kernel 2 runs one CTA per SM: (column blocks x splits) CTAs in waves of `sms`; the policy takes the
-    # fewest splits whose waves are at least 90% full, or else the fullest waves there are
+@pytest.mark.parametrize("ctas", [1, 2])
+def test_lane_splits_fill_the_waves_of_ctas(n, C, sms, add_dx, ctas):
+    # kernel 2 runs `ctas` CTAs per SM: (column blocks x splits) CTAs in waves of ctas x `sms`; the policy
+    # takes the fewest splits whose waves are at least 90% full, or else the fullest waves there are
     from mhc_lab.kernels.pre_backward import lane_splits_for, lane_tiling
 
-    lanes, columns = lane_tiling(n, add_dx)
+    lanes, columns = lane_tiling(n, add_dx, False, ctas)
     blocks = -(-C // columns) * (n // lanes)
+    wave = sms * ctas
 
     def fullness(s):
-        return blocks * s / (sms * -(-(blocks * s) // sms))
+        return blocks * s / (wave * -(-(blocks * s) // wave))
 
-    chosen = lane_splits_for(n, C, sms, add_dx=add_dx)
+    chosen = lane_splits_for(n, C, sms, add_dx=add_dx, ctas_per_sm=ctas)
     assert 1 <= chosen <= 32
     best = max(fullness(s) for s in range(1, 33))
     if best >= 0.9:
@@ -992,9 +1018,9 @@ def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
 @pytest.mark.parametrize("extra", ["none", "add_dx", "post_grad"])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, extra):
-    """overlap_dx reorders only when each GEMM is waited for, not what any accumulator sums or in which order:
-    dx and dphi are the plain kernel's bit for bit, with every extra operand, in the default tiling and with one
-    lane per CTA."""
+    """overlap_dx reorders only when each GEMM is waited for, not what any accumulator sums or in which order
+    (nor do two CTAs per SM): dx and dphi are the plain kernel's bit for bit, with every extra operand, in the
+    default tiling and with one lane per CTA."""
     from mhc_lab.kernels.pre_backward import gemm_depth, pre_backward_kernels
 
     x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 3, device="cuda")
@@ -1006,6 +1032,8 @@ def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, 
     flags = {"add_dx": extra == "add_dx", "post_grad": extra == "post_grad"}
     groups = [{}] + ([{"lane_group": 1}] if extra != "post_grad" and n > 1 else [])  # the default and one lane
     orders = [{"overlap_dx": False}, {"overlap_dx": True}]
+    if extra != "post_grad" and n <= 4:  # two CTAs per SM: other lanes and stages, the same sums
+        orders.append({"ctas_per_sm": 2})
     for group in groups:
         outs = []
         for order in orders:

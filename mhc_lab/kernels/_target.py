@@ -95,6 +95,12 @@ def quiet_tilelang() -> None:
 C_TARGET_FLAGS = ["-O3"]
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on Hopper (sm_90)
+SMEM_PER_SM = 228 * 1024  # bytes of shared memory of one Hopper SM, of which the driver keeps 1 KB per CTA
+
+
+def shared_per_cta(ctas_per_sm: int) -> int:
+    """Bytes of shared memory each CTA may use when ctas_per_sm of them must fit on one Hopper SM at once."""
+    return SMEM_LIMIT if ctas_per_sm == 1 else SMEM_PER_SM // ctas_per_sm - 1024
 # compile_program's pass_configs for a pipelined loop without a producer warpgroup (every thread loads with
 # cp.async and computes); TileLang's PassConfigKey.TL_DISABLE_WARP_SPECIALIZED
 NO_WARP_SPECIALIZATION = {"tl.disable_warp_specialized": True}

@@ -50,13 +50,13 @@ from mhc_lab.kernels._coefficients import (
     spread_layout,
 )
 from mhc_lab.kernels._target import (
-    SMEM_LIMIT,
     canonical_target,
     check_lanes_and_width,
     check_target_dtype,
     compile_program,
     leave_out_prefix,
     round_up,
+    shared_per_cta,
 )
 
 EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
@@ -439,7 +439,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                block_c: int | None = None, lane_group: int | None = None,
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
-                               leave_out: tuple = ()):
+                               ctas_per_sm: int = 1, leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -476,6 +476,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     them, where it was not (0.531 against 0.498 ms at 16384 x 4096 in run AJ, level at the other widths).
     Taking dmix from registers instead of shared memory (wgmma's RS form) was slower in every case (run AK,
     0.671-0.828 ms at C = 4096), and was removed (H200, 2026-11-30, kernel notes, version 28).
+
+    ctas_per_sm (CUDA): CTAs that must fit on one SM at once (TileLang's min_blocks_per_sm; the warpgroups then
+    keep the registers they launch with), so that one CTA's consumer runs its products and epilogues while
+    another's waits; the lanes, columns and stages default to the most that fit that many CTAs' shared memory.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -563,7 +567,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
-    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad)
+    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad, ctas_per_sm)
     LG, BC = lane_group or default_lanes, block_c or default_columns
     if n % LG:
         raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
@@ -571,14 +575,16 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): post_grad needs every lane in each CTA (each lane's dx takes all n "
                          f"lanes of g), so lane_group = n = {n}, got lane_group = {LG}")
     group = list(range(LG))
-    stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad)
+    if ctas_per_sm not in (1, 2):
+        raise ValueError(f"pre backward (lanes): ctas_per_sm is 1 or 2, got {ctas_per_sm}")
+    stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad, ctas_per_sm)
     CP = coef_width(n)
-    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad)
-    if smem > SMEM_LIMIT:
+    smem, budget = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad), shared_per_cta(ctas_per_sm)
+    if smem > budget:
         raise ValueError(f"pre backward (lanes): {LG} lanes x {BC} columns x {BT} tokens in {stages} stages "
                          f"{'with dx_post ' if add_dx else 'with g ' if post_grad else ''}need {smem} bytes of "
-                         f"shared memory, more than the {SMEM_LIMIT} a CTA may use; take fewer lanes (lane_group), "
-                         f"columns or stages")
+                         f"shared memory, more than the {budget} each of {ctas_per_sm} CTA(s) per SM may use; take "
+                         f"fewer lanes (lane_group), columns or stages")
 
     ASYNC = {"wg_wait": -1}  # issue the GEMM without waiting for it (T.wait_wgmma waits)
 
@@ -607,6 +613,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     @T.macro
     def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial):
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
+            if ctas_per_sm > 1:  # registers for that many CTAs: no warpgroup register reallocation
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
+                T.no_set_max_nreg()
             phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]  # [phi_hi; phi_lo]
             a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
             a_l0 = T.alloc_shared((BT, KH if trim_lo else K2), "bfloat16")  # [dmix_lo | 0]
@@ -726,7 +735,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     return lanes_backward_cuda
 
 
-def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False) -> tuple[int, int]:
+def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False, ctas_per_sm: int = 1) -> tuple[int, int]:
     """(lanes per CTA, columns per CTA) of kernel 2 on CUDA. On the H200 at n = 4 (2026-11-30):
     - without dx_post, 2 lanes (1 for odd n) and the most columns (64 or 32) whose dphi accumulators, lanes x
       2 gemm_depth(n) x columns float32, stay within 128 registers per thread of a 128-thread CTA. Two lanes
@@ -736,12 +745,13 @@ def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False) -> tuple[
       the most lanes up to 4 that divide n and fit two stages: with overlap_dx, whose overlap grows with the
       lanes, 4 lanes beat 2, 0.446 / 0.631 / 0.610 against 0.470 / 0.654 / 0.611 ms (run AK). At n = 8 two
       stages of 4 lanes do not fit, and it takes 2.
-    With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit)."""
+    With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit).
+    With ctas_per_sm CTAs per SM, the lanes whose two stages fit each one's share of the SM."""
     if post_grad:
         return n, 32 if n <= 4 else 16
     if add_dx:
         for lanes in (4, 2, 1):
-            if n % lanes == 0 and lanes_shared_bytes(n, lanes, 64, 32, 2, True) <= SMEM_LIMIT:
+            if n % lanes == 0 and lanes_shared_bytes(n, lanes, 64, 32, 2, True) <= shared_per_cta(ctas_per_sm):
                 return lanes, 32
     lanes = 2 if n % 2 == 0 else 1
     if lanes * 2 * gemm_depth(n) * 64 > 128 * 128:
@@ -749,11 +759,14 @@ def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False) -> tuple[
     return lanes, 64
 
 
-def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool, post_grad: bool = False) -> int:
-    """Kernel 2's pipeline depth on CUDA: the most stages whose tiles fit in shared memory, up to 3 with dx_post
-    or g and 2 without (lane_tiling's measurements; n = 8 with dx_post fits 2)."""
+def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool, post_grad: bool = False,
+                ctas_per_sm: int = 1) -> int:
+    """Kernel 2's pipeline depth on CUDA: the most stages whose tiles fit in shared memory (each CTA's share
+    when ctas_per_sm must fit on an SM), up to 3 with dx_post or g and 2 without (lane_tiling's measurements;
+    n = 8 with dx_post fits 2)."""
     for stages in range(3 if add_dx or post_grad else 2, 1, -1):
-        if lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx, post_grad) <= SMEM_LIMIT:
+        if (lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx, post_grad)
+                <= shared_per_cta(ctas_per_sm)):
             return stages
     return 1
 
@@ -772,16 +785,18 @@ def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stag
 
 
 def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad: bool = False,
-                    lane_group: int | None = None, block_c: int | None = None, least_efficiency: float = 0.9,
-                    most: int = 32) -> int:
+                    lane_group: int | None = None, block_c: int | None = None, ctas_per_sm: int = 1,
+                    least_efficiency: float = 0.9, most: int = 32) -> int:
     """Token splits S of kernel 2 on CUDA for a GPU with `sms` SMs. Its shared memory holds one CTA per SM,
     so its (column blocks x S) CTAs run in waves of `sms`; the last wave's empty SMs are lost time (at
     16384 x 2560 on the H200, 40 column blocks x 4 splits = 160 CTAs took 0.60 ms, more than 64 x 4 = 256
     CTAs at C = 4096 took). The smallest S whose waves are at least `least_efficiency` full, else the fullest
-    (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum). lane_group and block_c
-    as the kernel takes them (default lane_tiling's)."""
-    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad)
+    (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum). lane_group, block_c and
+    ctas_per_sm as the kernel takes them (default lane_tiling's; with ctas_per_sm CTAs per SM, waves of
+    ctas_per_sm x sms)."""
+    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad, ctas_per_sm)
     lanes, columns = lane_group or default_lanes, block_c or default_columns
+    sms = sms * ctas_per_sm
     blocks = -(-C // columns) * (n // lanes)
 
     def fullness(splits: int) -> float:
@@ -828,7 +843,7 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
                          block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
                          dx_products: int = 3, threads: int = 128, phases: str = "fused",
                          trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
-                         leave_out: tuple = ()):
+                         ctas_per_sm: int = 1, leave_out: tuple = ()):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -840,7 +855,7 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
                                    "threads": threads, "trim_lo": trim_lo, "overlap_dx": overlap_dx,
-                                   "leave_out": leave_out}
+                                   "ctas_per_sm": ctas_per_sm, "leave_out": leave_out}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, post_grad=post_grad,
                                                        **lanes_kw), t)
     return coefficients, lanes
