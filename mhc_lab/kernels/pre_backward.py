@@ -192,26 +192,15 @@ def pre_backward_coefficients_program(n: int, C: int, dtype: str = "bfloat16", t
     BC = min(BC, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
     NC = (C + BC - 1) // BC
 
+    split_entry, coef_entry = _kernel2_operand_macros(n)
+
     @T.macro
     def lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef):
-        """Kernel 2's operands of one token: dmix split into bf16 hi and lo in the three layouts its products
-        take, and coef = (H_pre, 2 ds, padding)."""
+        """Kernel 2's operands of one token, by one thread: dmix split into bf16 hi and lo, and coef."""
         for k in T.serial(K2):
-            q = k % KH
-            d = T.if_then_else(q < M, dmix_l[T.min(q, M - 1)], T.float32(0))
-            dh = T.cast(d, "bfloat16")
-            dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
-            zero = T.cast(0, "bfloat16")
-            dsplit[tok, 0, k] = dh  # [dmix_hi | dmix_hi]: hi.hi + hi.lo with phi [hi; lo]
-            dsplit[tok, 1, k] = T.if_then_else(k < KH, dl, zero)  # [dmix_lo | 0]: lo.hi
-            dsplit[tok, 2, k] = T.if_then_else(k < KH, dh, dl)  # [dmix_hi | dmix_lo]: for dphi
+            split_entry(dsplit, tok, k, lambda q: dmix_l[q])
         for j in T.unroll(CP):
-            if j < n:
-                coef[tok, j] = pre[tok, T.min(j, n - 1)]
-            elif j == n:
-                coef[tok, j] = T.float32(2) * extra_l[3]
-            else:
-                coef[tok, j] = T.float32(0)
+            coef_entry(coef, tok, j, pre, extra_l[3])
 
     @T.prim_func
     def coefficients_backward_cuda(
@@ -307,6 +296,7 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
         raise ValueError(f"pre backward (coefficients, spread): expected threads a multiple of 32 in [32, 1024], "
                          f"got {threads}")
     spread = spread_coefficient_macros(n, C, splits, iterations=iterations)
+    split_entry, coef_entry = _kernel2_operand_macros(n)
 
     @T.macro
     def spread_tokens(partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef):
@@ -343,22 +333,13 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
                     extra[tok, 3] = ds
             T.sync_threads()
             if token < dpre.shape[0]:
-                # kernel 2's operands, as lane_operands writes them, spread over the token's threads
+                # kernel 2's operands, spread over the token's threads
                 for p in T.unroll((K2 + P - 1) // P):
-                    kk = g + P * p
-                    if kk < K2:
-                        q = kk % KH
-                        d = T.if_then_else(q < M, dmix_s[slot, T.min(q, M - 1)], T.float32(0))
-                        dh = T.cast(d, "bfloat16")
-                        dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
-                        dsplit[tok, 0, kk] = dh
-                        dsplit[tok, 1, kk] = T.if_then_else(kk < KH, dl, T.cast(0, "bfloat16"))
-                        dsplit[tok, 2, kk] = T.if_then_else(kk < KH, dh, dl)
+                    if g + P * p < K2:
+                        split_entry(dsplit, tok, g + P * p, lambda q: dmix_s[slot, q])
                 for p in T.unroll((CP + P - 1) // P):
-                    jj = g + P * p
-                    if jj < CP:
-                        coef[tok, jj] = T.if_then_else(jj < n, pre[tok, T.min(jj, n - 1)],
-                                                       T.if_then_else(jj == n, T.float32(2) * ds, T.float32(0)))
+                    if g + P * p < CP:
+                        coef_entry(coef, tok, g + P * p, pre, ds)
 
     return spread_tokens
 
@@ -432,6 +413,32 @@ def gemm_depth(n: int) -> int:
     """K of kernel 2's GEMMs per split half: n^2 + 2n rounded up to 32, so that both halves together (the M
     of the transposed dphi GEMM) are a multiple of 64, the warpgroup MMA's M."""
     return round_up(mixes_width(n), 32)
+
+
+def _kernel2_operand_macros(n: int):
+    """How kernel 1 writes kernel 2's CUDA operands, one entry at a time (its fused, split and spread forms all
+    call these): ``split_entry(dsplit, tok, k, dmix_at)`` writes column k of the token's three rows of dmix
+    split into bf16 hi and lo, in the layouts kernel 2's three products take (``dmix_at(q)`` reads the token's
+    dmix[q]); ``coef_entry(coef, tok, j, pre, ds)`` writes coef[tok, j] = H_pre[j] (j < n), then 2 ds, then
+    padding zeros."""
+    M, KH = mixes_width(n), gemm_depth(n)
+
+    @T.macro
+    def split_entry(dsplit, tok, k, dmix_at):
+        q = k % KH
+        d = T.if_then_else(q < M, dmix_at(T.min(q, M - 1)), T.float32(0))
+        dh = T.cast(d, "bfloat16")
+        dl = T.cast(d - T.cast(dh, "float32"), "bfloat16")
+        dsplit[tok, 0, k] = dh  # [dmix_hi | dmix_hi]: hi.hi + hi.lo with phi [hi; lo]
+        dsplit[tok, 1, k] = T.if_then_else(k < KH, dl, T.cast(0, "bfloat16"))  # [dmix_lo | 0]: lo.hi
+        dsplit[tok, 2, k] = T.if_then_else(k < KH, dh, dl)  # [dmix_hi | dmix_lo]: for dphi
+
+    @T.macro
+    def coef_entry(coef, tok, j, pre, ds):
+        coef[tok, j] = T.if_then_else(j < n, pre[tok, T.min(j, n - 1)],
+                                      T.if_then_else(j == n, T.float32(2) * ds, T.float32(0)))
+
+    return split_entry, coef_entry
 
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
@@ -564,6 +571,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): leave_out times parts of the plain lane loop; overlap_dx has its "
                          f"own order of GEMMs and epilogues, so the two do not go together, got leave_out = "
                          f"{tuple(leave_out)}")
+    if ctas_per_sm not in (1, 2):
+        raise ValueError(f"pre backward (lanes): ctas_per_sm is 1 or 2, got {ctas_per_sm}")
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
@@ -575,8 +584,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): post_grad needs every lane in each CTA (each lane's dx takes all n "
                          f"lanes of g), so lane_group = n = {n}, got lane_group = {LG}")
     group = list(range(LG))
-    if ctas_per_sm not in (1, 2):
-        raise ValueError(f"pre backward (lanes): ctas_per_sm is 1 or 2, got {ctas_per_sm}")
     stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad, ctas_per_sm)
     CP = coef_width(n)
     smem, budget = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad), shared_per_cta(ctas_per_sm)
