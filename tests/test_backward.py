@@ -396,6 +396,53 @@ def test_lane_kernel_overlapped_waits_for_each_lane_and_releases_its_operands_la
     assert len(released) == operands, released
 
 
+def _tma_swizzles(host_source: str) -> dict:
+    """Each TMA descriptor's swizzle mode (0 none, 1 32 bytes, 2 64, 3 128) in a compiled kernel's host code: the
+    third argument from the end of the call that encodes it."""
+    import re
+
+    found = {}
+    for name, body in re.findall(r"void\* (\w+)_desc = stack_\d+;(.*?)tensormap_create_tiled_packed, \(TVMFFIAny\*\) "
+                                 r"stack_ffi_any, \d+", host_source, flags=re.S):
+        values = dict(re.findall(r"stack_ffi_any\)\[(\d+)\]\.v_int64\) = \(\(int64_t\)(\w+)\)", body))
+        count = int(re.search(rf"void\* {name}_desc = stack_\d+;.*?tensormap_create_tiled_packed, \(TVMFFIAny\*\) "
+                              rf"stack_ffi_any, (\d+)", host_source, flags=re.S).group(1))
+        found[name] = int(values[str(count - 3)])
+    return found
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n,add_dx", [(4, True), (4, False), (2, True), (8, True)])
+def test_lane_kernel_stores_dx_by_tma_and_reads_swizzled_tiles_for_sm90(n, add_dx):
+    """stage_dx (the default where C is a multiple of 8): each lane's dx tile leaves registers by stmatrix into
+    its own shared buffer and goes out by one TMA store per token tile; before a buffer is written again the
+    store that read it last time is waited for (LG - 1 stores may stay in flight), and all of them once after
+    the token loop; nothing stores dx from registers. swizzle_epilogue: dy's and dx_post's TMA loads use the
+    same swizzle as the x tiles the GEMMs read (none without the option). C = 100 cannot take TMA stores."""
+    import re
+
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
+
+    def build(C=4096, **options):
+        return compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", add_dx=add_dx, **options),
+                               "sm_90")
+
+    kernel = build()
+    source, lanes = kernel.get_kernel_source(), lane_tiling(n, add_dx)[0]
+    assert source.count("tma_store(dx_desc") == lanes and source.count("ptx_stmatrix") == lanes
+    assert re.findall(r"tma_store_wait<(\d+), true>", source) == [str(lanes - 1)] * lanes + ["0"]
+    assert source.rindex("tma_store_wait<0") > source.rindex("tma_store(dx_desc")
+    assert not re.search(r"\(dx \+ ", source)  # no store of dx from registers
+    swizzles = _tma_swizzles(kernel.get_host_source())
+    epilogue_tiles = ["dy", "dx_post"] if add_dx else ["dy"]
+    assert swizzles["x"] != 0 and all(swizzles[t] == swizzles["x"] for t in epilogue_tiles), swizzles
+    plain = _tma_swizzles(build(swizzle_epilogue=False).get_host_source())
+    assert all(plain[t] == 0 for t in epilogue_tiles), plain
+    for source in (build(stage_dx=False).get_kernel_source(), build(C=100).get_kernel_source()):
+        assert "tma_store" not in source and re.search(r"\(dx \+ ", source)
+
+
 @needs_nvcc
 def test_lane_kernel_two_ctas_per_sm_keep_their_registers_and_fit_for_sm90():
     """ctas_per_sm = 2: the launch bounds ask for two CTAs per SM, the warpgroups keep the registers they launch
@@ -416,16 +463,18 @@ def test_lane_kernel_two_ctas_per_sm_keep_their_registers_and_fit_for_sm90():
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
-    with pytest.raises(ValueError, match=r"4 lanes x 64 columns x 64 tokens in 2 stages with dx_post need 233472 "
+    with pytest.raises(ValueError, match=r"4 lanes x 64 columns x 64 tokens in 2 stages with dx_post need 266240 "
                                          r"bytes of shared memory, more than the 232448"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=4, block_c=64, stages=2)
     with pytest.raises(ValueError, match=r"leave_out takes a prefix of .*, got \('dx_gemm',\)"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", leave_out=("dx_gemm",))
-    with pytest.raises(ValueError, match=r"8 lanes x 32 columns x 64 tokens in 1 stages with dx_post need 244736 "
+    with pytest.raises(ValueError, match=r"8 lanes x 32 columns x 64 tokens in 1 stages with dx_post need 277504 "
                                          r"bytes of shared memory, more than the 232448 each of 1 CTA\(s\) per SM"):
         pre_backward_lanes_program(8, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=8)
     with pytest.raises(ValueError, match=r"more than the 115712 each of 2 CTA\(s\) per SM may use"):
         pre_backward_lanes_program(8, 4096, "bfloat16", "sm_90", add_dx=True, ctas_per_sm=2)
+    with pytest.raises(ValueError, match=r"stage_dx stores dx by TMA, .* a multiple of 8, got C = 100"):
+        pre_backward_lanes_program(2, 100, "bfloat16", "sm_90", stage_dx=True)
     with pytest.raises(ValueError, match=r"ctas_per_sm is 1 or 2, got 3"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", ctas_per_sm=3)
     with pytest.raises(ValueError, match=r"leave_out times parts of the plain lane loop; overlap_dx .* got "
@@ -986,7 +1035,7 @@ def _lane_operands(tokens, n, C, seed):
 @needs_cuda
 @pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}, {"trim_lo": False},
                                     {"overlap_dx": False}, {"overlap_dx": True},
-                                    {"overlap_dx": True, "dx_products": 1}])
+                                    {"overlap_dx": True, "dx_products": 1}, {"stage_dx": False, "swizzle_epilogue": False}])
 @pytest.mark.parametrize("add_dx", [False, True])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):

@@ -39,6 +39,7 @@
 import functools
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from mhc_lab.kernels._coefficients import (
     TOKEN_THREADS,
@@ -61,6 +62,14 @@ from mhc_lab.kernels._target import (
 
 EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
 LANE_LEAVE_OUT_STEPS = ("dphi", "dx_gemm", "dmix_loads")  # kernel 2's timing steps, left out in this order
+
+
+def _present(*buffers) -> list:
+    """The buffers given, lists of buffers flattened, Nones left out (a macro's conditional operands)."""
+    out = []
+    for b in buffers:
+        out += [c for c in b if c is not None] if isinstance(b, list) else [] if b is None else [b]
+    return out
 
 
 def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
@@ -446,7 +455,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                block_c: int | None = None, lane_group: int | None = None,
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
-                               ctas_per_sm: int = 1, leave_out: tuple = ()):
+                               ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
+                               leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -477,16 +487,33 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     overlap_dx (CUDA): each lane's dx GEMMs are issued before the previous lane's epilogue and its dphi GEMM
     after it, none waited for at its issue, so the tensor cores run the next lane's products while the CUDA
     cores finish this lane's dx; each lane's dx accumulator is its own. A read of each staged operand after the
-    last wait keeps the pipeline's release of the stage behind it. Default (None): on with dx_post or g, where
-    it was faster at every width (run AK, with lane_tiling's four lanes: 0.446 / 0.631 / 0.610 ms against
-    0.489 / 0.702 / 0.653 plain at C = 2560 / 4096 / 7168; with two lanes 0.470 / 0.654 / 0.611), off without
-    them, where it was not (0.531 against 0.498 ms at 16384 x 4096 in run AJ, level at the other widths).
+    last wait keeps the pipeline's release of the stage behind it. Default (None): on (but with leave_out). With
+    dx_post it was faster at every width (run AK, with lane_tiling's four lanes: 0.446 / 0.631 / 0.610 ms against
+    0.489 / 0.702 / 0.653 plain at C = 2560 / 4096 / 7168); without, since stage_dx, too (run AO: 0.264 / 0.387 /
+    0.377 against 0.279 / 0.402 / 0.384; before stage_dx it was not, 0.531 against 0.498 ms at C = 4096, run AJ).
+
+    swizzle_epilogue (CUDA): the tiles only the epilogue reads (dy, dx_post, g) get the 64-byte swizzle the GEMM
+    tiles (x) have, in shared memory and in their TMA loads, so that the epilogue's reads in the accumulator's
+    layout (a quad of threads per row, 4 bytes each, eight rows at once) find eight different banks: unswizzled
+    they met 4-way bank conflicts, 32 of the 48 million shared-load wavefronts at 16384 x 4096 (Nsight Compute,
+    run AN; 2.1 million conflicts with both options, run AO).
+    stage_dx (CUDA; default: when C is a multiple of 8, which TMA's 16-byte row alignment needs): each lane's dx
+    tile goes from registers to its own shared buffer (stmatrix) and out by one TMA store, whose wait comes
+    before that buffer's next use (LG - 1 stores later) instead of straight after it. Stored from registers, 4
+    bytes per thread in the accumulator's layout, dx reached the L2 as 31 million half-sector writes for its 17
+    million sectors, and the L2's request rate (83% of its throughput) held kernel 2 back; with the TMA store 8.5
+    million requests. Both options together, with dx_post (run AO, H200, 2026-11-30): 0.365 / 0.521 / 0.495 ms
+    against 0.448 / 0.633 / 0.611 without them (swizzle_epilogue alone: 0.423 / 0.661 / 0.626); without dx_post
+    0.279 / 0.402 / 0.384 against 0.377 / 0.495 / 0.483; dx and dphi the same bit for bit.
     Taking dmix from registers instead of shared memory (wgmma's RS form) was slower in every case (run AK,
     0.671-0.828 ms at C = 4096), and was removed (H200, 2026-11-30, kernel notes, version 28).
 
     ctas_per_sm (CUDA): CTAs that must fit on one SM at once (TileLang's min_blocks_per_sm; the warpgroups then
     keep the registers they launch with), so that one CTA's consumer runs its products and epilogues while
     another's waits; the lanes, columns and stages default to the most that fit that many CTAs' shared memory.
+    Two CTAs with dx_post: 0.345 / 0.518 / 0.489 ms against one's 0.365 / 0.521 / 0.495 (run AO); before
+    stage_dx 0.444 / 0.658 / 0.602 against 0.450 / 0.626 / 0.616 (run AM). Not the default: one run, and no
+    gain at C = 4096.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -566,13 +593,18 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
     left = leave_out_prefix("pre backward (lanes)", LANE_LEAVE_OUT_STEPS, leave_out)
     if overlap_dx is None:
-        overlap_dx = (add_dx or post_grad) and not left
+        overlap_dx = not left
     if overlap_dx and left:
         raise ValueError(f"pre backward (lanes): leave_out times parts of the plain lane loop; overlap_dx has its "
                          f"own order of GEMMs and epilogues, so the two do not go together, got leave_out = "
                          f"{tuple(leave_out)}")
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"pre backward (lanes): ctas_per_sm is 1 or 2, got {ctas_per_sm}")
+    if stage_dx is None:
+        stage_dx = C % 8 == 0
+    if stage_dx and C % 8:
+        raise ValueError(f"pre backward (lanes): stage_dx stores dx by TMA, whose rows must start on 16 bytes, so C "
+                         f"must be a multiple of 8, got C = {C}")
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
@@ -584,9 +616,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): post_grad needs every lane in each CTA (each lane's dx takes all n "
                          f"lanes of g), so lane_group = n = {n}, got lane_group = {LG}")
     group = list(range(LG))
-    stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad, ctas_per_sm)
+    stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad, ctas_per_sm, stage_dx)
     CP = coef_width(n)
-    smem, budget = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad), shared_per_cta(ctas_per_sm)
+    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad, stage_dx)
+    budget = shared_per_cta(ctas_per_sm)
     if smem > budget:
         raise ValueError(f"pre backward (lanes): {LG} lanes x {BC} columns x {BT} tokens in {stages} stages "
                          f"{'with dx_post ' if add_dx else 'with g ' if post_grad else ''}need {smem} bytes of "
@@ -606,7 +639,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                    annotations=annotations)
 
     @T.macro
-    def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_tile):
+    def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_s, dx_tile):
         for tt, c in T.Parallel(BT, BC):
             v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                  + coef_s[tt, n] * T.cast(x_j[tt, c], "float32"))
@@ -615,7 +648,13 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             if gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA)
                 v = v + sum([res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32") for i in lanes])
             dxf[tt, c] = T.cast(v, dtype)
-        T.copy(dxf, dx_tile)
+        if dx_s is None:
+            T.copy(dxf, dx_tile)
+        else:  # through shared memory and a TMA store, which writes whole rows
+            if T.shuffle_elect(threads):  # this buffer's store from the tile before has read it
+                T.tma_store_wait(LG - 1)
+            T.copy(dxf, dx_s)
+            T.tma_copy(dx_s, dx_tile)
 
     @T.macro
     def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial):
@@ -639,6 +678,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             res_s = T.alloc_shared((BT, n, n), "float32") if g is not None else None
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
             keep = T.alloc_local((1,), "float32") if overlap_dx else None
+            dx_stage = [T.alloc_shared((BT, BC), dtype) if stage_dx else None for _ in group]
+            if swizzle_epilogue:  # the epilogue's tiles that no GEMM reads, in the GEMM tiles' swizzle
+                T.annotate_layout({b: make_swizzled_layout(b) for b in _present(dys, gs, dps)})
             c0 = bc * BC
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
             for jj in group:
@@ -681,7 +723,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         else:
                             T.wait_wgmma(0)
                         T.warpgroup_fence_operand(accs[jj], num_regs=BT * BC // threads)  # one thread's share
-                        dx_epilogue(accs[jj], lg * LG + jj, xs[jj], dys, coef_s, dps[jj], gs, res_s, dxf,
+                        dx_epilogue(accs[jj], lg * LG + jj, xs[jj], dys, coef_s, dps[jj], gs, res_s, dxf, dx_stage[jj],
                                     dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
                         if "dphi" not in left:
                             T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True, annotations=ASYNC)
@@ -695,10 +737,13 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                             T.clear(accs[0])
                         else:
                             dx_gemms(a_dx, a_l0, phi_s[jj], accs[0], None)
-                        dx_epilogue(accs[0], lg * LG + jj, xs[jj], dys, coef_s, dps[jj], gs, res_s, dxf,
+                        dx_epilogue(accs[0], lg * LG + jj, xs[jj], dys, coef_s, dps[jj], gs, res_s, dxf, dx_stage[jj],
                                     dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
                         if "dphi" not in left:
                             T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
+            if stage_dx:
+                if T.shuffle_elect(threads):  # the last stores have read their buffers
+                    T.tma_store_wait(0)
             for jj in group:
                 j = lg * LG + jj
                 for k, c in T.Parallel(K2, BC):
@@ -767,28 +812,28 @@ def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False, ctas_per_
 
 
 def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool, post_grad: bool = False,
-                ctas_per_sm: int = 1) -> int:
+                ctas_per_sm: int = 1, stage_dx: bool = True) -> int:
     """Kernel 2's pipeline depth on CUDA: the most stages whose tiles fit in shared memory (each CTA's share
     when ctas_per_sm must fit on an SM), up to 3 with dx_post or g and 2 without (lane_tiling's measurements;
     n = 8 with dx_post fits 2)."""
     for stages in range(3 if add_dx or post_grad else 2, 1, -1):
-        if (lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx, post_grad)
+        if (lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx, post_grad, stage_dx)
                 <= shared_per_cta(ctas_per_sm)):
             return stages
     return 1
 
 
 def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stages: int, add_dx: bool,
-                       post_grad: bool = False) -> int:
-    """Shared memory of kernel 2 on CUDA, at most: phi's columns; per stage the three dmix operands, the
-    coefficients, the lanes' x tiles, the dy tile and (add_dx) the lanes' dx_post tiles or (post_grad) the n
-    lanes' g tiles and the tokens' H_res."""
+                       post_grad: bool = False, stage_dx: bool = True) -> int:
+    """Shared memory of kernel 2 on CUDA, at most: phi's columns, (stage_dx) each lane's dx tile on its way
+    out; per stage the three dmix operands, the coefficients, the lanes' x tiles, the dy tile and (add_dx) the
+    lanes' dx_post tiles or (post_grad) the n lanes' g tiles and the tokens' H_res."""
     k2 = 2 * gemm_depth(n)
     staged = (3 * block_tokens * k2 * 2 + block_tokens * coef_width(n) * 4
               + (lanes * (2 if add_dx else 1) + 1) * block_tokens * block_c * 2)
     if post_grad:
         staged += n * block_tokens * block_c * 2 + block_tokens * n * n * 4
-    return lanes * k2 * block_c * 2 + stages * staged
+    return lanes * k2 * block_c * 2 + (lanes * block_tokens * block_c * 2 if stage_dx else 0) + stages * staged
 
 
 def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad: bool = False,
@@ -850,7 +895,8 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
                          block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
                          dx_products: int = 3, threads: int = 128, phases: str = "fused",
                          trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
-                         ctas_per_sm: int = 1, leave_out: tuple = ()):
+                         ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
+                         leave_out: tuple = ()):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -862,7 +908,9 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
     lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
                                    "threads": threads, "trim_lo": trim_lo, "overlap_dx": overlap_dx,
-                                   "ctas_per_sm": ctas_per_sm, "leave_out": leave_out}
+                                   "ctas_per_sm": ctas_per_sm, "swizzle_epilogue": swizzle_epilogue,
+                                   "stage_dx": stage_dx,
+                                   "leave_out": leave_out}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, post_grad=post_grad,
                                                        **lanes_kw), t)
     return coefficients, lanes
