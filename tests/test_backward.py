@@ -1035,7 +1035,8 @@ def _lane_operands(tokens, n, C, seed):
 @needs_cuda
 @pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}, {"trim_lo": False},
                                     {"overlap_dx": False}, {"overlap_dx": True},
-                                    {"overlap_dx": True, "dx_products": 1}, {"stage_dx": False, "swizzle_epilogue": False}])
+                                    {"overlap_dx": True, "dx_products": 1},
+                                    {"stage_dx": False, "swizzle_epilogue": False}, {"dy_once": True}])
 @pytest.mark.parametrize("add_dx", [False, True])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):

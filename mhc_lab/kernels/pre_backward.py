@@ -456,7 +456,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
-                               leave_out: tuple = ()):
+                               dy_once: bool = False, leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -507,6 +507,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     0.279 / 0.402 / 0.384 against 0.377 / 0.495 / 0.483; dx and dphi the same bit for bit.
     Taking dmix from registers instead of shared memory (wgmma's RS form) was slower in every case (run AK,
     0.671-0.828 ms at C = 4096), and was removed (H200, 2026-11-30, kernel notes, version 28).
+
+    dy_once (CUDA; built, not yet timed): each tile's dy read from shared memory once into float32 registers
+    for all its lanes, instead of once per lane in each lane's epilogue (Nsight Compute counts the consumer's
+    issued instructions as kernel 2's limit since stage_dx; dy's shared loads and bf16 unpacking are a quarter
+    of the epilogue's loads).
 
     ctas_per_sm (CUDA): CTAs that must fit on one SM at once (TileLang's min_blocks_per_sm; the warpgroups then
     keep the registers they launch with), so that one CTA's consumer runs its products and epilogues while
@@ -679,6 +684,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
             keep = T.alloc_local((1,), "float32") if overlap_dx else None
             dx_stage = [T.alloc_shared((BT, BC), dtype) if stage_dx else None for _ in group]
+            # dy_once: the tile's dy read once into registers for all its lanes (the epilogue's dy is
+            # _present(dy_held, dys)[0]: dy_held where it exists, else the shared tile)
+            dy_held = T.alloc_fragment((BT, BC), "float32") if dy_once else None
             if swizzle_epilogue:  # the epilogue's tiles that no GEMM reads, in the GEMM tiles' swizzle
                 T.annotate_layout({b: make_swizzled_layout(b) for b in _present(dys, gs, dps)})
             c0 = bc * BC
@@ -713,6 +721,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         T.copy(g[t0 : t0 + BT, i, c0 : c0 + BC], gs[i])
                     T.copy(res[t0 : t0 + BT, 0:n, 0:n], res_s)
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
+                if dy_once:
+                    for tt, c in T.Parallel(BT, BC):
+                        dy_held[tt, c] = T.cast(dys[tt, c], "float32")
                 if overlap_dx:
                     later = 2 if dx_products == 3 else 1  # wgmma groups one lane's dx GEMMs commit
                     dx_gemms(a_dx, a_l0, phi_s[0], accs[0], ASYNC)
@@ -723,8 +734,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         else:
                             T.wait_wgmma(0)
                         T.warpgroup_fence_operand(accs[jj], num_regs=BT * BC // threads)  # one thread's share
-                        dx_epilogue(accs[jj], lg * LG + jj, xs[jj], dys, coef_s, dps[jj], gs, res_s, dxf, dx_stage[jj],
-                                    dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
+                        dx_epilogue(accs[jj], lg * LG + jj, xs[jj], _present(dy_held, dys)[0], coef_s, dps[jj], gs,
+                                    res_s, dxf, dx_stage[jj], dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
                         if "dphi" not in left:
                             T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True, annotations=ASYNC)
                     T.wait_wgmma(0)
@@ -737,8 +748,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                             T.clear(accs[0])
                         else:
                             dx_gemms(a_dx, a_l0, phi_s[jj], accs[0], None)
-                        dx_epilogue(accs[0], lg * LG + jj, xs[jj], dys, coef_s, dps[jj], gs, res_s, dxf, dx_stage[jj],
-                                    dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
+                        dx_epilogue(accs[0], lg * LG + jj, xs[jj], _present(dy_held, dys)[0], coef_s, dps[jj], gs,
+                                    res_s, dxf, dx_stage[jj], dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
                         if "dphi" not in left:
                             T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
             if stage_dx:
@@ -896,7 +907,7 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
                          dx_products: int = 3, threads: int = 128, phases: str = "fused",
                          trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
                          ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
-                         leave_out: tuple = ()):
+                         dy_once: bool = False, leave_out: tuple = ()):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
@@ -909,7 +920,7 @@ def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = 
                                    "block_c": block_c, "stages": stages, "dx_products": dx_products,
                                    "threads": threads, "trim_lo": trim_lo, "overlap_dx": overlap_dx,
                                    "ctas_per_sm": ctas_per_sm, "swizzle_epilogue": swizzle_epilogue,
-                                   "stage_dx": stage_dx,
+                                   "stage_dx": stage_dx, "dy_once": dy_once,
                                    "leave_out": leave_out}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, post_grad=post_grad,
                                                        **lanes_kw), t)

@@ -552,7 +552,7 @@ def chaining_on_cuda(enabled: bool):
 
 
 LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo", "overlap_dx",
-                "ctas_per_sm", "swizzle_epilogue", "stage_dx")
+                "ctas_per_sm", "swizzle_epilogue", "stage_dx", "dy_once")
 
 
 def check_lane_tuning(tuning: dict) -> dict:
