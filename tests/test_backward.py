@@ -368,21 +368,22 @@ def test_lane_kernel_trims_the_lo_product_to_its_rows_for_sm90():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("n,dx_products", [(1, 3), (2, 3), (4, 3), (4, 1), (8, 3)])
-def test_lane_kernel_overlapped_waits_for_each_lane_and_releases_its_operands_last_for_sm90(n, dx_products):
-    """overlap_dx: per token tile, each lane's dx GEMMs are issued before the previous lane's epilogue (which
-    first waits for all but the newest lane's groups, then fences the accumulator it reads), and the stage's
-    GEMM operands (dmix's three splits, the lanes' x tiles) are handed back to the producer only after the
-    tile's last wait."""
+@pytest.mark.parametrize("n,dx_products,add_dx", [(1, 3, True), (2, 3, True), (4, 3, True), (4, 1, True),
+                                                  (8, 3, True), (4, 3, False), (8, 3, False)])
+def test_lane_kernel_overlapped_waits_for_each_lane_and_releases_its_operands_last_for_sm90(n, dx_products, add_dx):
+    """overlap_dx (the default, with or without dx_post): per token tile, each lane's dx GEMMs are issued before
+    the previous lane's epilogue (which first waits for all but the newest lane's groups, then fences the
+    accumulator it reads), and the stage's GEMM operands (dmix's three splits, the lanes' x tiles) are handed
+    back to the producer only after the tile's last wait."""
     import re
 
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
 
-    source = compile_program(pre_backward_lanes_program(n, 4096, "bfloat16", "sm_90", add_dx=True, overlap_dx=True,
+    source = compile_program(pre_backward_lanes_program(n, 4096, "bfloat16", "sm_90", add_dx=add_dx,
                                                         dx_products=dx_products),
                              "sm_90").get_kernel_source()
-    lanes = lane_tiling(n, True)[0]
+    lanes = lane_tiling(n, add_dx)[0]
     consumer = source[source.index("warpgroup_reg_alloc"):]
     waits = re.findall(r"wait_wgmma<(\d+)>", consumer)
     assert waits == [str(2 if dx_products == 3 else 1)] * (lanes - 1) + ["0", "0"]
