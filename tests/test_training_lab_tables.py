@@ -98,3 +98,41 @@ def test_kernel2_steps_table_reads_a_recording_the_benchmark_wrote_itself():
     assert "0.610" in text.splitlines()[2]
     empty = training_lab.kernel2_steps_table(_kernel2_recording([]))
     assert training_lab.kernel2_steps_command() in empty and '"leave_out":["dphi","dx_gemm"]' in empty
+
+
+def _profile_recording(rows: list) -> dict:
+    return {"environment": {"gpu": "Some GPU", "date": "2026-01-02"},
+            "results": {"kernel2_profiles": {"tokens": 16384, "C": 4096, "rows": rows}}}
+
+
+def test_kernel2_profile_table_gives_each_variant_its_counters_under_its_run():
+    rows = [{"run": "X1", "kernel": "the old kernel", "variant": {"add_dx": True}, "duration_us": 637.0,
+             "l2_throughput_pct": 82.9, "l2_tag_requests_pct": 82.1, "l2_write_requests": 30932922,
+             "l2_write_sectors": 31932880, "shared_load_bank_conflicts": 31761399,
+             "consumer_stall_pct": {"short_sb": 13.4, "selected": 11.4, "wait": 6.3},
+             "producer_stall_pct": {"long_sb": 38.5}},
+            {"run": "X2", "kernel": "the new kernel", "variant": {"add_dx": True, "stage_dx": False},
+             "duration_us": 651.0, "l2_throughput_pct": 85.2, "l2_tag_requests_pct": 85.2,
+             "l2_write_requests": 33360876, "l2_write_sectors": 33492167, "shared_load_bank_conflicts": 7539202,
+             "consumer_stall_pct": {"selected": 11.8, "short_sb": 12.3}, "producer_stall_pct": {}}]
+    lines = training_lab.kernel2_profile_table(_profile_recording(rows)).splitlines()
+    assert lines[0].startswith("RECORDED on Some GPU, 2026-01-02") and "16384 x 4096" in lines[1]
+    assert lines[3] == "run X1, the old kernel:" and lines[5] == "run X2, the new kernel:"
+    first, second = lines[4].split(), lines[6].split()
+    assert first[:3] == ["the", "kernel's", "defaults"]  # no tuning but dx_post: the defaults
+    assert first[3:9] == ["637", "83", "82", "30.9", "31.9", "31.8"]
+    assert "short_sb 13, selected 11" in lines[4] and "wait" not in lines[4] and first[-1] == "38"
+    assert second[0] == "stage_dx=False" and second[-1] == "-"  # no producer samples recorded
+    assert "short_sb 12, selected 12" in lines[6]  # the two largest, largest first
+
+
+def test_kernel2_profile_table_without_profiles_says_so():
+    assert training_lab.kernel2_profile_table(_profile_recording([])).startswith("(no Nsight Compute profile")
+
+
+def test_the_recorded_kernel2_profile_table_renders_every_row():
+    text = training_lab.kernel2_profile_table()
+    rows = training_lab.load_recorded()["results"]["kernel2_profiles"]["rows"]
+    assert len(rows) >= 2
+    for row in rows:
+        assert f"{row['l2_write_requests'] / 1e6:.1f}" in text and f"{row['duration_us']:.0f}" in text

@@ -605,6 +605,42 @@ def kernel2_steps_table(recording: dict | None = None, run: str = "U", lane_grou
     return "\n".join(lines)
 
 
+def kernel2_profile_table(recording: dict | None = None) -> str:
+    """Kernel 2 of the pre backward under Nsight Compute (the recording's ``kernel2_profiles``): per profiled
+    variant, its time under the profiler, how busy the L2 was (throughput and tag requests, % of peak), the L2's
+    write requests and sectors, the shared-memory bank conflicts of its loads, and where its warps waited (the
+    consumer's two largest stall reasons and the producer's waiting, % of all samples)."""
+    recording = recording if recording is not None else load_recorded()
+    profiles = ((recording or {}).get("results") or {}).get("kernel2_profiles") or {}
+    rows = profiles.get("rows") or []
+    if not rows:
+        return "(no Nsight Compute profile of kernel 2 in mhc_lab/recorded/training_h200.json)"
+
+    def variant(row):
+        tuning = {k: v for k, v in (row.get("variant") or {}).items() if k != "add_dx"}
+        return ", ".join(f"{k}={v}" for k, v in tuning.items()) or "the kernel's defaults"
+
+    million = lambda value: f"{value / 1e6:.1f}" if isinstance(value, (int, float)) else "-"  # noqa: E731
+    header = (f"{'variant':<44}{'us':>6}{'L2 %':>6}{'tags %':>7}{'writes M':>9}{'sectors M':>10}"
+              f"{'conflicts M':>12}  consumer stalls (% of samples)    producer waits")
+    lines = [recording_label(recording),
+             f"kernel 2 with dx_post at {profiles.get('tokens')} x {profiles.get('C')} under Nsight Compute", header]
+    kernel = None
+    for row in rows:
+        if row.get("kernel") != kernel:  # which kernel the run profiled
+            kernel = row.get("kernel")
+            lines.append(f"run {row.get('run', '?')}, {kernel}:")
+        consumer = sorted((row.get("consumer_stall_pct") or {}).items(), key=lambda kv: -kv[1])[:2]
+        waits = (row.get("producer_stall_pct") or {}).get("long_sb")
+        lines.append(f"{variant(row)[:43]:<44}{row.get('duration_us', 0):>6.0f}"
+                     f"{row.get('l2_throughput_pct', 0):>6.0f}{row.get('l2_tag_requests_pct', 0):>7.0f}"
+                     f"{million(row.get('l2_write_requests')):>9}{million(row.get('l2_write_sectors')):>10}"
+                     f"{million(row.get('shared_load_bank_conflicts')):>12}  "
+                     + f"{', '.join(f'{k} {v:.0f}' for k, v in consumer):<34}"
+                     + (f"{waits:.0f}" if isinstance(waits, (int, float)) else "-"))
+    return "\n".join(lines)
+
+
 def _ms3(value) -> str:
     return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
 
