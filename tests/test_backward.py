@@ -403,12 +403,10 @@ def _tma_swizzles(host_source: str) -> dict:
     import re
 
     found = {}
-    for name, body in re.findall(r"void\* (\w+)_desc = stack_\d+;(.*?)tensormap_create_tiled_packed, \(TVMFFIAny\*\) "
-                                 r"stack_ffi_any, \d+", host_source, flags=re.S):
+    for name, body, count in re.findall(r"void\* (\w+)_desc = stack_\d+;(.*?)tensormap_create_tiled_packed, "
+                                        r"\(TVMFFIAny\*\) stack_ffi_any, (\d+)", host_source, flags=re.S):
         values = dict(re.findall(r"stack_ffi_any\)\[(\d+)\]\.v_int64\) = \(\(int64_t\)(\w+)\)", body))
-        count = int(re.search(rf"void\* {name}_desc = stack_\d+;.*?tensormap_create_tiled_packed, \(TVMFFIAny\*\) "
-                              rf"stack_ffi_any, (\d+)", host_source, flags=re.S).group(1))
-        found[name] = int(values[str(count - 3)])
+        found[name] = int(values[str(int(count) - 3)])
     return found
 
 

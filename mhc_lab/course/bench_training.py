@@ -242,11 +242,11 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     result) and in each of ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages",
     "warp_specialized"} for the fused kernel, or {"phases": "fused", "split" or "spread", "spread":
     {"threads"}}; the two kernels of "split" and "spread" are also timed each alone), kernel 2 for each tuning
-    variant ({"lane_splits", "block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads",
-    "trim_lo", "overlap_dx", "ctas_per_sm", "add_dx", "post_grad", "leave_out"}); every variant's outputs are
-    compared with the first's of the same add_dx and post_grad without leave_out (a timing experiment's differ
-    by design). A variant without "lane_splits" runs the token splits a site runs (lane_splits_for on this GPU,
-    for the variant's lanes, columns and CTAs per SM), recorded in its row as "token_splits"."""
+    variant (keys of training.LANE_TUNABLE, "lane_splits", "add_dx", "post_grad", "leave_out"); every variant's
+    outputs are compared with the first's of the same add_dx and post_grad without leave_out (a timing
+    experiment's differ by design). A variant without "lane_splits" runs the token splits a site runs
+    (lane_splits_for on this GPU, for the variant's lanes, columns and CTAs per SM), recorded in its row as
+    "token_splits"."""
     from mhc_lab.kernels.pre_backward import (
         coef_width,
         dphi_from_partial,

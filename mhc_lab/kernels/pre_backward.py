@@ -491,6 +491,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     dx_post it was faster at every width (run AK, with lane_tiling's four lanes: 0.446 / 0.631 / 0.610 ms against
     0.489 / 0.702 / 0.653 plain at C = 2560 / 4096 / 7168); without, since stage_dx, too (run AO: 0.264 / 0.387 /
     0.377 against 0.279 / 0.402 / 0.384; before stage_dx it was not, 0.531 against 0.498 ms at C = 4096, run AJ).
+    Taking dmix from registers instead of shared memory (wgmma's RS form) was slower in every case (run AK,
+    0.671-0.828 ms at C = 4096), and was removed (H200, 2026-11-30, kernel notes, version 28).
 
     swizzle_epilogue (CUDA): the tiles only the epilogue reads (dy, dx_post, g) get the 64-byte swizzle the GEMM
     tiles (x) have, in shared memory and in their TMA loads, so that the epilogue's reads in the accumulator's
@@ -505,8 +507,6 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     million requests. Both options together, with dx_post (run AO, H200, 2026-11-30): 0.365 / 0.521 / 0.495 ms
     against 0.448 / 0.633 / 0.611 without them (swizzle_epilogue alone: 0.423 / 0.661 / 0.626); without dx_post
     0.279 / 0.402 / 0.384 against 0.377 / 0.495 / 0.483; dx and dphi the same bit for bit.
-    Taking dmix from registers instead of shared memory (wgmma's RS form) was slower in every case (run AK,
-    0.671-0.828 ms at C = 4096), and was removed (H200, 2026-11-30, kernel notes, version 28).
 
     dy_once (CUDA; built, not yet timed): each tile's dy read from shared memory once into float32 registers
     for all its lanes, instead of once per lane in each lane's epilogue (Nsight Compute counts the consumer's
@@ -902,26 +902,18 @@ def two_phase_coefficients(n: int, C: int, dtype: str, target: str, *, splits: i
 
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
-                         add_dx: bool = False, lane_splits: int = 1, block_tokens: int = 64,
-                         block_c: int | None = None, lane_group: int | None = None, stages: int | None = None,
-                         dx_products: int = 3, threads: int = 128, phases: str = "fused",
-                         trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
-                         ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
-                         dy_once: bool = False, leave_out: tuple = ()):
+                         add_dx: bool = False, post_grad: bool = False, lane_splits: int = 1, phases: str = "fused",
+                         **lane_tuning):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
-    kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way)."""
+    kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way);
+    ``lane_tuning``: kernel 2's CUDA tuning, keywords of pre_backward_lanes_program (the C target has none)."""
     t = canonical_target(target)
     if phases in ("split", "spread"):
         coefficients = two_phase_coefficients(n, C, dtype, t, splits=splits, phases=phases)
     else:
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
-    lanes_kw = {} if t == "c" else {"splits": lane_splits, "block_tokens": block_tokens, "lane_group": lane_group,
-                                   "block_c": block_c, "stages": stages, "dx_products": dx_products,
-                                   "threads": threads, "trim_lo": trim_lo, "overlap_dx": overlap_dx,
-                                   "ctas_per_sm": ctas_per_sm, "swizzle_epilogue": swizzle_epilogue,
-                                   "stage_dx": stage_dx, "dy_once": dy_once,
-                                   "leave_out": leave_out}
+    lanes_kw = {} if t == "c" else {"splits": lane_splits, **lane_tuning}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, post_grad=post_grad,
                                                        **lanes_kw), t)
     return coefficients, lanes
