@@ -459,6 +459,20 @@ def test_lane_kernel_two_ctas_per_sm_keep_their_registers_and_fit_for_sm90():
     assert lanes_shared_bytes(4, lanes, 64, columns, stages, True) <= shared_per_cta(2) < shared_per_cta(1) // 2
 
 
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("add_dx", [False, True])
+@pytest.mark.parametrize("block_tokens,ctas", [(64, 1), (128, 1), (64, 2)])
+def test_lane_kernel_default_tiles_fit_in_shared_memory(n, add_dx, block_tokens, ctas):
+    """The default lanes, columns and stages for any token tile and CTAs per SM fit each CTA's share of shared
+    memory (n = 8 with dx_post and 128-token tiles first asked for 235520 bytes)."""
+    from mhc_lab.kernels.pre_backward import lane_stages, lane_tiling, lanes_shared_bytes, shared_per_cta
+
+    lanes, columns = lane_tiling(n, add_dx, ctas_per_sm=ctas, block_tokens=block_tokens)
+    assert n % lanes == 0
+    stages = lane_stages(n, lanes, block_tokens, columns, add_dx, ctas_per_sm=ctas)
+    assert lanes_shared_bytes(n, lanes, block_tokens, columns, stages, add_dx) <= shared_per_cta(ctas)
+
+
 def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
@@ -471,7 +485,7 @@ def test_lane_kernel_refuses_tiles_beyond_shared_memory():
                                          r"bytes of shared memory, more than the 232448 each of 1 CTA\(s\) per SM"):
         pre_backward_lanes_program(8, 4096, "bfloat16", "sm_90", add_dx=True, lane_group=8)
     with pytest.raises(ValueError, match=r"more than the 115712 each of 2 CTA\(s\) per SM may use"):
-        pre_backward_lanes_program(8, 4096, "bfloat16", "sm_90", add_dx=True, ctas_per_sm=2)
+        pre_backward_lanes_program(8, 4096, "bfloat16", "sm_90", add_dx=True, ctas_per_sm=2, lane_group=2)
     with pytest.raises(ValueError, match=r"stage_dx stores dx by TMA, .* a multiple of 8, got C = 100"):
         pre_backward_lanes_program(2, 100, "bfloat16", "sm_90", stage_dx=True)
     with pytest.raises(ValueError, match=r"ctas_per_sm is 1 or 2, got 3"):
@@ -1035,7 +1049,8 @@ def _lane_operands(tokens, n, C, seed):
 @pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}, {"trim_lo": False},
                                     {"overlap_dx": False}, {"overlap_dx": True},
                                     {"overlap_dx": True, "dx_products": 1},
-                                    {"stage_dx": False, "swizzle_epilogue": False}, {"dy_once": True}])
+                                    {"stage_dx": False, "swizzle_epilogue": False}, {"dy_once": True},
+                                    {"dy_once": False}])
 @pytest.mark.parametrize("add_dx", [False, True])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):

@@ -7,6 +7,7 @@ CUDA kernel is checked on any machine with nvcc (skipped, saying so, without it)
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -232,12 +233,17 @@ def test_post_project_builds_for_sm90(n, C):
     assert "tma_store" not in src  # the new lanes leave from the registers,
     if C % 64 == 0:
         assert "*(uint2*)(out + " in src  # 8 bytes at a time where no column block is cut short
+    # the mix reads each lane's value once (bound to a name), not once for every output lane
+    assert all(re.search(rf"float4? x{j} = ", src) for j in range(n))
+    if C == 4096:  # the n lane tiles and f: one 8-byte shared load each per 4 elements
+        assert len(re.findall(r"= \*\(uint2\*\)\(\(\(bfloat16_t\*\)", src)) == n + 1
 
 
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens,tuning", [
     (4, 4096, 257, {}), (4, 40, 7, {}), (4, 200, 33, {}), (2, 72, 1, {}), (8, 40, 65, {}), (1, 72, 7, {}),
-    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2})])
+    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2}), (4, 4096, 130, {"lanes_once": False}),
+    (8, 40, 65, {"lanes_once": False})])
 def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel

@@ -74,7 +74,8 @@ def shared_bytes(n: int, block_m: int, block_k: int, stages: int, phi_loaded: bo
 
 def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
                          block_m: int | None = None, block_k: int | None = None, stages: int | None = None,
-                         threads: int | None = None, block_tokens: int = 4, leave_out: tuple = ()):
+                         threads: int | None = None, block_tokens: int = 4, lanes_once: bool = True,
+                         leave_out: tuple = ()):
     """The tile program of post + next projection for n lanes of width C. CUDA tiles left None come from
     cuda_tuning(n).
 
@@ -191,7 +192,13 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                         T.copy(phi_hl[0:NP, j * C + c0 : j * C + c0 + BK], ps[j][0:NP, 0:BK])
                 T.copy(f[t0 : t0 + BM, c0 : c0 + BK], fs)
                 for tt, c in T.Parallel(BM, BK):
-                    xv = [T.cast(xs[j][tt, c], "float32") for j in lanes]
+                    # each lane's value bound to a name (a let), so the mix reads it once; as list items the
+                    # expressions were repeated for every output lane, and nvcc could not reuse the loads
+                    # across the output tile's shared stores
+                    x0, x1, x2, x3, x4, x5, x6, x7 = [T.cast(xs[j][tt, c], "float32") if j < n else T.float32(0)
+                                                      for j in range(8)]
+                    xv = ([x0, x1, x2, x3, x4, x5, x6, x7][:n] if lanes_once
+                          else [T.cast(xs[j][tt, c], "float32") for j in lanes])
                     fv = T.cast(fs[tt, c], "float32")
                     for i in lanes:
                         if "mix" in left:

@@ -456,7 +456,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
-                               dy_once: bool = False, leave_out: tuple = ()):
+                               dy_once: bool | None = None, leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -508,10 +508,13 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     against 0.448 / 0.633 / 0.611 without them (swizzle_epilogue alone: 0.423 / 0.661 / 0.626); without dx_post
     0.279 / 0.402 / 0.384 against 0.377 / 0.495 / 0.483; dx and dphi the same bit for bit.
 
-    dy_once (CUDA; built, not yet timed): each tile's dy read from shared memory once into float32 registers
-    for all its lanes, instead of once per lane in each lane's epilogue (Nsight Compute counts the consumer's
-    issued instructions as kernel 2's limit since stage_dx; dy's shared loads and bf16 unpacking are a quarter
-    of the epilogue's loads).
+    dy_once (CUDA): each tile's dy read from shared memory once into float32 registers for all its lanes,
+    instead of once per lane in each lane's epilogue (Nsight Compute counts the consumer's issued instructions
+    as kernel 2's limit since stage_dx; dy's shared loads and bf16 unpacking are a quarter of the epilogue's
+    loads). Default (None): on with dx_post, whose four lanes share each dy tile: 0.348 / 0.498 / 0.474 ms
+    against 0.363 / 0.520 / 0.491 at C = 2560 / 4096 / 7168; off without, where two lanes share it and the held
+    registers cost more than they save: 0.276 / 0.406 / 0.386 against 0.263 / 0.385 / 0.378 (run AR, H200,
+    2026-11-30; dx and dphi the same bit for bit).
 
     ctas_per_sm (CUDA): CTAs that must fit on one SM at once (TileLang's min_blocks_per_sm; the warpgroups then
     keep the registers they launch with), so that one CTA's consumer runs its products and epilogues while
@@ -607,13 +610,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): ctas_per_sm is 1 or 2, got {ctas_per_sm}")
     if stage_dx is None:
         stage_dx = C % 8 == 0
+    if dy_once is None:
+        dy_once = add_dx
     if stage_dx and C % 8:
         raise ValueError(f"pre backward (lanes): stage_dx stores dx by TMA, whose rows must start on 16 bytes, so C "
                          f"must be a multiple of 8, got C = {C}")
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
-    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad, ctas_per_sm)
+    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad, ctas_per_sm, block_tokens)
     LG, BC = lane_group or default_lanes, block_c or default_columns
     if n % LG:
         raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
@@ -798,7 +803,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     return lanes_backward_cuda
 
 
-def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False, ctas_per_sm: int = 1) -> tuple[int, int]:
+def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False, ctas_per_sm: int = 1,
+                block_tokens: int = 64) -> tuple[int, int]:
     """(lanes per CTA, columns per CTA) of kernel 2 on CUDA. On the H200 at n = 4 (2026-11-30):
     - without dx_post, 2 lanes (1 for odd n) and the most columns (64 or 32) whose dphi accumulators, lanes x
       2 gemm_depth(n) x columns float32, stay within 128 registers per thread of a 128-thread CTA. Two lanes
@@ -807,19 +813,24 @@ def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False, ctas_per_
       0.723 / 0.668 ms at C = 2560 / 4096 / 7168; more CTAs, a deeper pipeline in the same shared memory), and
       the most lanes up to 4 that divide n and fit two stages: with overlap_dx, whose overlap grows with the
       lanes, 4 lanes beat 2, 0.446 / 0.631 / 0.610 against 0.470 / 0.654 / 0.611 ms (run AK). At n = 8 two
-      stages of 4 lanes do not fit, and it takes 2.
+      stages of 4 lanes do not fit, and it takes 2; where no lanes fit two stages of block_tokens tokens (n = 8
+      with 128-token tiles), the most lanes that fit one. Without dx_post too, fewer lanes where one stage of
+      two does not fit (n = 8 with two CTAs per SM).
     With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit).
     With ctas_per_sm CTAs per SM, the lanes whose two stages fit each one's share of the SM."""
     if post_grad:
         return n, 32 if n <= 4 else 16
     if add_dx:
-        for lanes in (4, 2, 1):
-            if n % lanes == 0 and lanes_shared_bytes(n, lanes, 64, 32, 2, True) <= shared_per_cta(ctas_per_sm):
-                return lanes, 32
+        for stages in (2, 1):
+            for lanes in (4, 2, 1):
+                if (n % lanes == 0 and lanes_shared_bytes(n, lanes, block_tokens, 32, stages, True)
+                        <= shared_per_cta(ctas_per_sm)):
+                    return lanes, 32
     lanes = 2 if n % 2 == 0 else 1
-    if lanes * 2 * gemm_depth(n) * 64 > 128 * 128:
-        return lanes, 32
-    return lanes, 64
+    columns = 32 if lanes * 2 * gemm_depth(n) * 64 > 128 * 128 else 64
+    while lanes > 1 and lanes_shared_bytes(n, lanes, block_tokens, columns, 1, False) > shared_per_cta(ctas_per_sm):
+        lanes //= 2
+    return lanes, columns
 
 
 def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool, post_grad: bool = False,
