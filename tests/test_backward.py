@@ -459,6 +459,21 @@ def test_lane_kernel_two_ctas_per_sm_keep_their_registers_and_fit_for_sm90():
     assert lanes_shared_bytes(4, lanes, 64, columns, stages, True) <= shared_per_cta(2) < shared_per_cta(1) // 2
 
 
+@pytest.mark.parametrize("n,splits", [(1, 1), (2, 3), (4, 1), (4, 2), (8, 5)])
+def test_dphi_from_partial_sums_splits_and_halves_and_skips_the_padding(n, splits):
+    """dphi = the sum over token splits of the dmix_hi rows plus the dmix_lo rows of kernel 2's partial; the
+    padding rows past n^2+2n in each half are never read (NaN there must not reach dphi)."""
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth
+
+    m, kh = n * n + 2 * n, gemm_depth(n)
+    partial = torch.randn(splits, 2 * kh, n * 24, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    partial[:, m:kh], partial[:, kh + m :] = float("nan"), float("nan")
+    want = sum(partial[s, h * kh : h * kh + m] for s in range(splits) for h in (0, 1))
+    got = dphi_from_partial(partial, n)
+    assert got.shape == (m, n * 24)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("add_dx", [False, True])
 @pytest.mark.parametrize("block_tokens,ctas", [(64, 1), (128, 1), (64, 2)])

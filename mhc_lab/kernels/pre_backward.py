@@ -884,10 +884,11 @@ def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad
 
 def dphi_from_partial(partial, n: int):
     """dphi [n^2+2n, nC] from kernel 2's CUDA output [splits, 2 gemm_depth(n), nC] (rows: the dmix_hi part,
-    then the dmix_lo part, each padded): sum over splits and halves, in a fixed order."""
+    then the dmix_lo part, each padded): sum over splits and halves, in a fixed order, in one reduction that
+    reads only the rows that are not padding (summing the splits first, then adding the halves, took two
+    kernels and read and wrote the whole partial once more)."""
     M, KH = mixes_width(n), gemm_depth(n)
-    total = partial.sum(0)
-    return total[:M] + total[KH : KH + M]
+    return partial.unflatten(1, (2, KH))[:, :, :M].sum((0, 1))
 
 
 def two_phase_coefficients(n: int, C: int, dtype: str, target: str, *, splits: int, phases: str,
