@@ -74,8 +74,7 @@ def shared_bytes(n: int, block_m: int, block_k: int, stages: int, phi_loaded: bo
 
 def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
                          block_m: int | None = None, block_k: int | None = None, stages: int | None = None,
-                         threads: int | None = None, block_tokens: int = 4, lanes_once: bool = True,
-                         leave_out: tuple = ()):
+                         threads: int | None = None, block_tokens: int = 4, leave_out: tuple = ()):
     """The tile program of post + next projection for n lanes of width C. CUDA tiles left None come from
     cuda_tuning(n).
 
@@ -84,9 +83,12 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
     [n^2+2n, nC] f32; then the outputs out [T, n, C] and partial [S, T, n^2+2n+1] f32 with S = splits on CUDA
     (column ranges, summed by the apply pass) and S = 1 on the C target. T is dynamic.
 
-    The mix reads the lane tiles straight from shared memory. The generated code re-reads all n + 1 tiles for
-    every output lane (20 shared loads per element at n = 4 where 5 would do), but copying them into registers
-    once first was slower: 0.496 against 0.434 ms at 16384 x 4096 (H200, 2026-11-30, kernel notes). Two CTAs
+    The mix reads each lane tile's value from shared memory once, bound to a name, for all n output lanes.
+    Written as a list of expressions, the generated code re-read all n + 1 tiles for every output lane (20
+    8-byte shared loads and their bf16 unpacking per 4 elements at n = 4, where 5 do): the consumer issued 1263
+    instructions per column block and warp, now 927, and the kernel took 0.387 against 0.366 ms at 16384 x 4096,
+    0.249 against 0.232 at 16384 x 2560 (H200, 2026-11-30, run AS, kernel notes). Copying the tiles into
+    registers instead (a fragment per lane, the stage released early) was slower: 0.496 against 0.434 ms. Two CTAs
     per SM (32-column blocks, min_blocks_per_sm 2, no warpgroup register reallocation) were slower too: 0.411
     against 0.387 ms at 16384 x 4096, 0.454 against 0.337 at 8192 x 7168; stripped to a plain copy they gave
     0.363 against one CTA's 0.340 ms (H200, 2026-11-30, kernel notes).
@@ -194,11 +196,10 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                 for tt, c in T.Parallel(BM, BK):
                     # each lane's value bound to a name (a let), so the mix reads it once; as list items the
                     # expressions were repeated for every output lane, and nvcc could not reuse the loads
-                    # across the output tile's shared stores
+                    # across the output tile's shared stores (names past n are bound to 0 and never used)
                     x0, x1, x2, x3, x4, x5, x6, x7 = [T.cast(xs[j][tt, c], "float32") if j < n else T.float32(0)
                                                       for j in range(8)]
-                    xv = ([x0, x1, x2, x3, x4, x5, x6, x7][:n] if lanes_once
-                          else [T.cast(xs[j][tt, c], "float32") for j in lanes])
+                    xv = [x0, x1, x2, x3, x4, x5, x6, x7][:n]
                     fv = T.cast(fs[tt, c], "float32")
                     for i in lanes:
                         if "mix" in left:
