@@ -860,15 +860,15 @@ def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stag
 
 def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad: bool = False,
                     lane_group: int | None = None, block_c: int | None = None, ctas_per_sm: int = 1,
-                    least_efficiency: float = 0.9, most: int = 32) -> int:
+                    block_tokens: int = 64, least_efficiency: float = 0.9, most: int = 32) -> int:
     """Token splits S of kernel 2 on CUDA for a GPU with `sms` SMs. Its shared memory holds one CTA per SM,
     so its (column blocks x S) CTAs run in waves of `sms`; the last wave's empty SMs are lost time (at
     16384 x 2560 on the H200, 40 column blocks x 4 splits = 160 CTAs took 0.60 ms, more than 64 x 4 = 256
     CTAs at C = 4096 took). The smallest S whose waves are at least `least_efficiency` full, else the fullest
-    (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum). lane_group, block_c and
-    ctas_per_sm as the kernel takes them (default lane_tiling's; with ctas_per_sm CTAs per SM, waves of
-    ctas_per_sm x sms)."""
-    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad, ctas_per_sm)
+    (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum). lane_group, block_c,
+    ctas_per_sm and block_tokens as the kernel takes them (default lane_tiling's; with ctas_per_sm CTAs per SM,
+    waves of ctas_per_sm x sms)."""
+    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad, ctas_per_sm, block_tokens)
     lanes, columns = lane_group or default_lanes, block_c or default_columns
     sms = sms * ctas_per_sm
     blocks = -(-C // columns) * (n // lanes)
