@@ -1,4 +1,6 @@
-"""The recorded training benchmark's tables, as lab 07 prints them."""
+"""The recorded training benchmark's tables, as lab 07 prints them, and its table of generated code."""
+
+import pytest
 
 from mhc_lab.course import training_lab
 
@@ -136,3 +138,19 @@ def test_the_recorded_kernel2_profile_table_renders_every_row():
     assert len(rows) >= 2
     for row in rows:
         assert f"{row['l2_write_requests'] / 1e6:.1f}" in text and f"{row['duration_us']:.0f}" in text
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_lane_mix_reads_each_lane_once_when_bound_and_n_times_as_a_list(n):
+    """Lab 07's lesson, checked on the CUDA TileLang generates (no GPU needed): as a Python list of expressions
+    the n lane values are loaded (and converted) again for each of the n outputs; bound to names, once."""
+    counts = training_lab.lane_mix_counts(n, 64)
+    assert counts["bound"] == {"lane_loads": n, "conversions": 2 * n}
+    assert counts["list"] == {"lane_loads": n * n, "conversions": 2 * n * n}
+
+
+def test_lane_mix_program_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match=r"expected 1 <= n <= 8 lanes, got n = 9"):
+        training_lab.lane_mix_program(9, 64, True)
+    with pytest.raises(ValueError, match=r"expected C a positive multiple of block_c = 64, got C = 100"):
+        training_lab.lane_mix_program(4, 100, True)

@@ -7,6 +7,8 @@ and the views of the recorded H200 training benchmark.
     activation_memory(model, step)                    bytes kept between forward and backward, and the peak
     StreamLM(...)                                     a byte-level transformer: residual, or mHC lanes
     load_recorded() / recording_label(...)            mhc_lab/recorded/training_h200.json, if present
+    lane_mix_table(n, C)                              a mix's lane values bound once or pasted n times, counted
+                                                      in the CUDA TileLang generates
 
 Everything here runs on the CPU; on a CUDA GPU the memory figures come from the CUDA allocator instead.
 """
@@ -638,6 +640,76 @@ def kernel2_profile_table(recording: dict | None = None) -> str:
                      f"{million(row.get('shared_load_bank_conflicts')):>12}  "
                      + f"{', '.join(f'{k} {v:.0f}' for k, v in consumer):<34}"
                      + (f"{waits:.0f}" if isinstance(waits, (int, float)) else "-"))
+    return "\n".join(lines)
+
+
+# ---- reading the generated code: one value for n sums, bound once or pasted n times ----------------------------
+
+
+def lane_mix_program(n: int, C: int, bound: bool, *, block_tokens: int = 64, block_c: int = 64):
+    """A small TileLang program shaped like the fused post + projection's mix (kernels/post_project.py): the n
+    bf16 lane tiles of a token block in shared memory, and n outputs out_i = sum_j w[i, j] x_j, each written
+    to a shared tile (the real kernel hands it to the tensor cores) and to global memory. bound: each lane's
+    value is bound to a name inside the loop (TileLang makes it a let, loaded once); otherwise the values are a
+    Python list of expressions, which TileLang pastes into every output's sum. n is 1 to 8; arguments x
+    [T, n, C] bf16, w [n, n] f32, out [T, n, C] bf16."""
+    import tilelang.language as T
+
+    if not isinstance(n, int) or not 1 <= n <= 8:
+        raise ValueError(f"lane_mix_program: expected 1 <= n <= 8 lanes, got n = {n!r}")
+    if not isinstance(C, int) or C < 1 or C % block_c:
+        raise ValueError(f"lane_mix_program: expected C a positive multiple of block_c = {block_c}, got C = {C!r}")
+    NT, BT, BC, lanes = T.dynamic("T"), block_tokens, block_c, list(range(n))
+
+    @T.prim_func
+    def lane_mix(x: T.Tensor((NT, n, C), "bfloat16"), w: T.Tensor((n, n), "float32"),
+                 out: T.Tensor((NT, n, C), "bfloat16")):
+        with T.Kernel(T.ceildiv(NT, BT), threads=128) as bt:
+            xs = [T.alloc_shared((BT, BC), "bfloat16") for _ in lanes]
+            os = [T.alloc_shared((BT, BC), "bfloat16") for _ in lanes]
+            t0 = bt * BT
+            for kk in T.serial(C // BC):
+                for j in lanes:
+                    T.copy(x[t0 : t0 + BT, j, kk * BC : kk * BC + BC], xs[j])
+                for tt, c in T.Parallel(BT, BC):
+                    if bound:  # names past n are bound to 0 and never used
+                        x0, x1, x2, x3, x4, x5, x6, x7 = [T.cast(xs[j][tt, c], "float32") if j < n else T.float32(0)
+                                                          for j in range(8)]
+                        xv = [x0, x1, x2, x3, x4, x5, x6, x7][:n]
+                    else:
+                        xv = [T.cast(xs[j][tt, c], "float32") for j in lanes]
+                    for i in lanes:
+                        o = T.cast(sum([w[i, j] * xv[j] for j in lanes[1:]], w[i, 0] * xv[0]), "bfloat16")
+                        os[i][tt, c] = o
+                        out[t0 + tt, i, kk * BC + c] = o
+
+    return lane_mix
+
+
+def lane_mix_counts(n: int = 4, C: int = 256) -> dict[str, dict[str, int]]:
+    """What the mix's loop body does in the CUDA TileLang generates for lane_mix_program both ways (lowered
+    here, no GPU or nvcc needed): its vector loads of the lane tiles from shared memory and its bf16-to-float32
+    pair conversions, per vector of elements each thread handles."""
+    import re
+
+    from mhc_lab.kernels.source import generated_source, kernel_text
+
+    counts = {}
+    for name, bound in (("list", False), ("bound", True)):
+        text = kernel_text(generated_source(lane_mix_program(n, C, bound), "sm_90"))
+        counts[name] = {"lane_loads": len(re.findall(r"= \*\(uint\d?\*\)\(\(\(bfloat16_t\*\)", text)),
+                        "conversions": text.count("__bfloat1622float2")}
+    return counts
+
+
+def lane_mix_table(n: int = 4, C: int = 256) -> str:
+    """lane_mix_counts as a table: the same mix with its lane values pasted into every sum or bound once."""
+    counts = lane_mix_counts(n, C)
+    rows = (("lane values as a list of expressions", counts["list"]),
+            ("each lane's value bound to a name", counts["bound"]))
+    lines = [f"the mix of n = {n} lanes into {n} outputs: its loop body in the CUDA that TileLang generates for "
+             "sm_90", f"{'':<40}{'lane-tile loads':>16}{'bf16 pair conversions':>23}"]
+    lines += [f"{label:<40}{c['lane_loads']:>16}{c['conversions']:>23}" for label, c in rows]
     return "\n".join(lines)
 
 
