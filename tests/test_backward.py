@@ -1239,3 +1239,23 @@ def test_warm_reports_the_end_of_a_failed_log(tmp_path):
     assert report == ["    | line 98", "    | line 99", "    | E   AssertionError: ('linked', 'x', 0.5)"]
     (tmp_path / "empty.log").write_text("")
     assert failure_report(str(tmp_path / "empty.log")) == "    | (empty log)"
+
+
+@pytest.mark.parametrize("backend,dtype", [("reference", torch.float64), ("kernels", torch.float32)])
+@pytest.mark.parametrize("next_phi", [False, True])
+def test_linked_post_never_reads_the_values_of_link(backend, dtype, next_phi):
+    """link only carries the lanes' gradient from the post back to the pre: pre_forward hands out an unfilled
+    view for it, so the linked post's outputs must not depend on its values (NaN or zero, the same results)."""
+    from mhc_lab.ops.training import post_forward_linked, pre_forward
+
+    n, C, tokens = 4, 24, 5
+    x, phi, bias, alpha, f = _site_inputs((tokens,), n, C, seed=3, dtype=dtype)
+    y, post, res, _, _, _ = pre_forward(x, phi.to(dtype), bias.to(dtype), alpha.to(dtype), backend)
+    results = []
+    for fill in (float("nan"), 0.0):
+        link = torch.full((1,), fill, dtype=dtype).expand(x.shape)
+        out, partial = post_forward_linked(x, link, f, post, res, backend, phi.to(dtype) if next_phi else None)
+        results.append((out, partial))
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

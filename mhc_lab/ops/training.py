@@ -156,9 +156,10 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
     the backward takes partial_in.
 
     Coefficients and partial are float32 (float64 for float64 lanes, reference backend only). link stands for
-    the mixed lanes H_res x without holding them (a [T, n, C] view of one zero): post_forward_linked adds
-    H_res x itself, and hands back as link's gradient the lanes' gradient of its own backward, H_res^T g, which
-    this op's backward adds to its dx in the same pass (autograd would add the two dx in another)."""
+    the mixed lanes H_res x without holding them (a [T, n, C] view of one element, never read):
+    post_forward_linked adds H_res x itself, and hands back as link's gradient the lanes' gradient of its own
+    backward, H_res^T g, which this op's backward adds to its dx in the same pass (autograd would add the two dx
+    in another)."""
     tokens, n, C = x.shape
     link = _link(x)
     projected = partial_in is not None
@@ -201,7 +202,9 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
 
 
 def _link(x: torch.Tensor) -> torch.Tensor:
-    return x.new_zeros(1).expand(x.shape)
+    # a [T, n, C] view of one element whose value nothing reads (only link's gradient matters): empty, not
+    # zeros, so that a site's forward launches no fill kernel for it
+    return x.new_empty(1).expand(x.shape)
 
 
 def _no_partial(x: torch.Tensor) -> torch.Tensor:
