@@ -1259,3 +1259,35 @@ def test_linked_post_never_reads_the_values_of_link(backend, dtype, next_phi):
     for a, b in zip(*results):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_interleaved_rounds_time_every_implementation_in_turn_and_ratio_per_round():
+    """The site benchmark's interleaved rounds: each round times every graph once, in turn (a drift over the
+    run reaches all alike), and the chained site's ratio to TileKernels is taken per round."""
+    from mhc_lab.course.bench_training import interleaved_rounds, round_ratios
+
+    order, seconds = [], {"ours_chained": iter([1.0e-3, 1.2e-3, 0.9e-3]), "tilekernels": iter([2e-3, 2e-3, 2e-3])}
+
+    def bench(fn):
+        order.append(fn())
+        return next(seconds[order[-1]])
+
+    replays = {name: (lambda name=name: name) for name in ("ours_chained", "tilekernels")}
+    rounds = interleaved_rounds(replays, bench, 3)
+    assert order == ["ours_chained", "tilekernels"] * 3
+    assert rounds == {"ours_chained": pytest.approx([1.0, 1.2, 0.9]), "tilekernels": pytest.approx([2.0, 2.0, 2.0])}
+    ratio = round_ratios(rounds)
+    assert ratio["ratios"] == pytest.approx([0.5, 0.6, 0.45])
+    assert (ratio["median"], ratio["least"], ratio["most"]) == pytest.approx((0.5, 0.45, 0.6))
+    assert round_ratios({"ours_chained": [1.0, 3.0], "tilekernels": [2.0, 2.0]})["median"] == pytest.approx(1.0)
+    assert round_ratios({"ours_chained": [1.0]}) == {}
+    with pytest.raises(ValueError, match=r"expected rounds >= 1, got 0"):
+        interleaved_rounds(replays, bench, 0)
+
+
+def test_training_benchmark_refuses_fewer_than_one_graph_round(capsys):
+    from mhc_lab.course.bench_training import main
+
+    with pytest.raises(SystemExit):
+        main(["--parts", "site", "--graph-rounds", "0"])
+    assert "--graph-rounds: expected an integer >= 1, got 0" in capsys.readouterr().err

@@ -11,7 +11,9 @@ inside a stack: its pre takes x's projection from the previous post, its post pr
 DeepSeek's TileKernels (tile-kernels 1.0.0, its autograd path), torch.compile of the reference and the eager
 reference; every gradient is compared with the float32 reference on the same inputs. Each is timed twice:
 launched op by op from Python (times_ms), and captured once as a CUDA graph and replayed (graph_ms), which
-is the GPU's time alone, without the host's per-op work.
+is the GPU's time alone, without the host's per-op work. --graph-rounds K times the graphs again in K rounds,
+each implementation in turn within a round (graph_rounds_ms), and records the chained site's ratio to
+TileKernels per round, its median, least and most: a ratio near a target reads better against its spread.
 
 Block (pre-norm causal attention + 4C GELU MLP, bf16, 4 sequences x 4096 tokens): forward + backward of one
 block with a plain residual and with mHC around each of its two sub-layers (ours as linked sites, ours as
@@ -146,13 +148,43 @@ def _site_operands(tokens, C):
     return (x, phi, bias, alpha), leaves, g
 
 
-def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
+def interleaved_rounds(replays: dict, bench, rounds: int) -> dict[str, list[float]]:
+    """Each of ``replays`` (name -> callable) timed by ``bench`` (seconds) in ``rounds`` rounds, the names in
+    turn within each round, so that a drift of the GPU's clocks or temperature over the run reaches every
+    implementation alike: name -> [ms per round]."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"interleaved_rounds: expected rounds >= 1, got {rounds!r}")
+    times = {name: [] for name in replays}
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            times[name].append(bench(replay) * 1e3)
+    return times
+
+
+def round_ratios(rounds_ms: dict[str, list[float]], ours: str = "ours_chained", base: str = "tilekernels") -> dict:
+    """The per-round ratio ours / base of interleaved_rounds' times, with its median, least and most (an empty
+    dict when either is missing)."""
+    a, b = rounds_ms.get(ours), rounds_ms.get(base)
+    if not a or not b:
+        return {}
+    ratios = [x / y for x, y in zip(a, b)]
+    ordered = sorted(ratios)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {"ratios": ratios, "median": median, "least": ordered[0], "most": ordered[-1]}
+
+
+def bench_site(tokens, C, bench, *, skip=(), log=print, graph_rounds: int = 1) -> dict:
+    """One site's forward + backward per implementation: launched op by op, and as a CUDA graph; with
+    graph_rounds > 1 the graphs are then timed again in that many interleaved rounds (graph_rounds_ms, and the
+    chained site's ratio to TileKernels per round)."""
     (x, phi, bias, alpha), leaves, g = _site_operands(tokens, C)
     impls, errors, reference = _site_impls(skip)
     out = {"tokens": tokens, "C": C, "n": N, "bytes": site_bytes_fwd_bwd(tokens, C), "times_ms": {},
            "graph_ms": {}, "rel_err": {}, "errors": errors}
     want = torch.autograd.grad(reference(*leaves), leaves, g)
     names = ("x", "phi", "bias", "alpha")
+    replays = {}  # kept for the interleaved rounds
     for name, fn in impls.items():
         def step(fn=fn):
             return torch.autograd.grad(fn(*leaves), leaves, g)
@@ -168,6 +200,8 @@ def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
                 try:
                     replay = _graph_replay(step)
                     out["graph_ms"][name] = bench(replay) * 1e3
+                    if graph_rounds > 1:
+                        replays[name] = replay
                     del replay
                     graphed = f"{out['graph_ms'][name]:8.3f} ms as a CUDA graph"
                 except Exception as e:  # noqa: BLE001 - the launched timing stands; say why there is no graph
@@ -181,6 +215,14 @@ def bench_site(tokens, C, bench, *, skip=(), log=print) -> dict:
         for key, suffix in (("times_ms", ""), ("graph_ms", "_graph")):
             if name in out[key] and "tilekernels" in out[key]:
                 out[f"{name}_vs_tilekernels{suffix}"] = out[key][name] / out[key]["tilekernels"]
+    if replays:
+        out["graph_rounds_ms"] = interleaved_rounds(replays, bench, graph_rounds)
+        replays.clear()
+        ratio = round_ratios(out["graph_rounds_ms"])
+        if ratio:
+            out["ours_chained_vs_tilekernels_graph_rounds"] = ratio
+            log(f"  site {tokens}x{C} chained / TileKernels as CUDA graphs over {graph_rounds} interleaved rounds: "
+                f"median {ratio['median']:.4f}x ({ratio['least']:.4f}-{ratio['most']:.4f})")
     out["times_ms"].update(_site_components(x, phi, bias, alpha, g, bench))
     return out
 
@@ -590,10 +632,15 @@ def main(argv=None) -> int:
     parser.add_argument("--post-grad", action="store_true", help="linked and chained sites hand the post's output "
                         "gradient to the pre's backward, which adds H_res^T g (mhc_lab.ops.training."
                         "post_gradient_to_pre; recorded as post_gradient_to_pre)")
+    parser.add_argument("--graph-rounds", type=int, default=1, help="part 'site': time the CUDA graphs again in "
+                        "this many interleaved rounds (recorded as graph_rounds_ms, with the chained site's ratio "
+                        "to TileKernels per round)")
     parser.add_argument("--coefficient-phases", default=None, choices=("fused", "split", "spread"),
                         help="the pre backward's kernel 1 for the parts site, block and host (mhc_lab.ops.training."
                         "coefficient_phases; recorded as coefficient_phases)")
     args = parser.parse_args(argv)
+    if args.graph_rounds < 1:
+        parser.error(f"--graph-rounds: expected an integer >= 1, got {args.graph_rounds}")
     import contextlib
     import json
 
@@ -639,7 +686,7 @@ def main(argv=None) -> int:
         for s in args.shapes.split(","):
             tokens, C = (int(v) for v in s.split("x"))
             with configured():
-                r = bench_site(tokens, C, bench, skip=skip)
+                r = bench_site(tokens, C, bench, skip=skip, graph_rounds=args.graph_rounds)
             if "ours" in r["times_ms"]:
                 ms = r["times_ms"]["ours"]
                 r["ours_gbps"] = r["bytes"]["ours"] / (ms * 1e-3) / 1e9
