@@ -10,10 +10,12 @@ def _shape(tokens: int, C: int, whole: float, post: float, variants=()) -> dict:
                                 for tuning, ms in variants]}
 
 
-def _recording(shapes: list, fixed: list | None = None) -> dict:
+def _recording(shapes: list, fixed: list | None = None, read_once: list | None = None) -> dict:
     results = {"leave_out_run_O": {"environment": {"gpu": "Some GPU", "date": "2026-01-02"}, "shapes": shapes}}
     if fixed is not None:
         results["phi_first_run_P"] = {"shapes": fixed}
+    if read_once is not None:
+        results["lanes_once_run_AS"] = {"shapes": read_once}
     return {"environment": {"gpu": "Other GPU"}, "results": results}
 
 
@@ -23,18 +25,20 @@ def test_leave_out_table_gives_each_step_per_shape_and_the_fix():
     shapes = [_shape(16384, 4096, 0.43, 0.30, [({"leave_out": list(k)}, ms) for k, ms in steps.items()]),
               _shape(8192, 7168, 0.37, 0.27)]  # this shape's steps were not timed
     fixed = [_shape(16384, 4096, 0.44, 0.31, [({"phi_first": True}, 0.39)])]
-    lines = forward_lab.leave_out_table(_recording(shapes, fixed)).splitlines()
+    read_once = [_shape(16384, 4096, 0.366, 0.31)]  # run AS: the kernel's own time at one shape
+    lines = forward_lab.leave_out_table(_recording(shapes, fixed, read_once)).splitlines()
     assert lines[0].startswith("RECORDED on Some GPU, 2026-01-02")  # the run's own tags, not the file's
     assert lines[1].split()[-6:] == ["16384", "x", "4096", "8192", "x", "7168"]
     values = [line.split()[-2:] for line in lines[2:]]
     assert values == [["0.430", "0.370"], ["0.350", "-"], ["0.340", "-"], ["0.330", "-"], ["0.320", "-"],
-                      ["0.300", "0.270"], ["0.390", "-"]]
+                      ["0.300", "0.270"], ["0.390", "-"], ["0.366", "-"]]
+    assert "read once" in lines[-1]
 
 
 def test_leave_out_table_without_the_runs_says_so():
     assert forward_lab.leave_out_table({"results": {}}).startswith("(no leave_out recording")
     text = forward_lab.leave_out_table(_recording([_shape(16384, 2560, 0.28, 0.2)]))
-    assert "A operand" not in text  # no fix row without its run
+    assert "A operand" not in text and "read once" not in text  # no fix row without its run
 
 
 def test_the_recorded_leave_out_table_renders_every_recorded_step():
@@ -44,7 +48,8 @@ def test_the_recorded_leave_out_table_renders_every_recorded_step():
         for row in shape["stream_variants"]:
             assert f"{row['time_ms']['stream.post_project']:.3f}" in text
     shapes = len(recording["results"]["leave_out_run_O"]["shapes"])
-    assert all("-" not in line.split()[-shapes:] for line in text.splitlines()[2:])  # every cell measured
+    # every cell measured, but run AS's (cut off before 8192 x 7168)
+    assert all("-" not in line.split()[-shapes:] for line in text.splitlines()[2:] if "run AS" not in line)
 
 
 STRIPPED = ["gemm", "phi", "out_tile", "mix"]

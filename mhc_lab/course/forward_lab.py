@@ -253,10 +253,12 @@ LEAVE_OUT_LABELS = ("  without the GEMMs", "  also without phi's loads",
 def leave_out_table(recording: dict | None = None) -> str:
     """The fused post + projection of a chained site taken apart on the H200: its time as first built, then
     with one part after another left out (timing experiments, python -m mhc_lab.bench forward --stream-variants
-    with "leave_out"), the post alone for comparison, and the kernel after the fix those steps pointed to."""
+    with "leave_out"), the post alone for comparison, the kernel after the fix those steps pointed to (run P),
+    and the kernel with each lane's value read once in its mix (run AS, where the recording has it)."""
     recording = recording if recording is not None else recorded_or_none(STREAM_RECORDING)
     results = (recording or {}).get("results") or {}
     steps, fixed = results.get("leave_out_run_O"), results.get("phi_first_run_P")
+    read_once = results.get("lanes_once_run_AS")
     if not steps:
         return "(no leave_out recording in mhc_lab/recorded/forward_h200_stream.json)"
     shapes = steps["shapes"]
@@ -267,8 +269,13 @@ def leave_out_table(recording: dict | None = None) -> str:
     rows.append(("the post alone (no projection)", [s["time_ms"].get("post") for s in shapes]))
     if fixed:
         by_shape = {(s["tokens"], s["C"]): s for s in fixed["shapes"]}
-        rows.append(("phi's rows as the GEMM's A operand (now; a later run)",
+        rows.append(("phi's rows as the GEMM's A operand (a later run, P)",
                      [_stream_variant_ms(by_shape.get((s["tokens"], s["C"]), {}), {"phi_first": True})
+                      for s in shapes]))
+    if read_once:
+        by_shape = {(s["tokens"], s["C"]): s for s in read_once["shapes"]}
+        rows.append(("each lane's value read once in the mix (now; run AS)",
+                     [(by_shape.get((s["tokens"], s["C"])) or {}).get("time_ms", {}).get("stream.post_project")
                       for s in shapes]))
     return _kernel_times_table(steps.get("environment") or recording.get("environment"), shapes, rows)
 
@@ -276,7 +283,7 @@ def leave_out_table(recording: dict | None = None) -> str:
 def row_length_table(recording: dict | None = None) -> str:
     """The fused post + projection stripped to a plain copy of its bytes (every part left out), with the lane and
     f tiles arriving in TMA boxes of other shapes: the copy floor against the boxes' row length, the post alone
-    and the whole kernel as it is beside them (timing experiments on the H200, run AA of the recording)."""
+    and the whole kernel of that run beside them (timing experiments on the H200, run AA of the recording)."""
     recording = recording if recording is not None else recorded_or_none(STREAM_RECORDING)
     run = ((recording or {}).get("results") or {}).get("row_length_run_AA")
     if not run:
@@ -292,8 +299,8 @@ def row_length_table(recording: dict | None = None) -> str:
     # the stripped variants, in the order the run timed them
     stripped_tunings = [row["tuning"] for row in shapes[0].get("stream_variants", [])
                         if (row.get("tuning") or {}).get("leave_out") == stripped]
-    rows = [("the kernel as it is (64 x 64 boxes, every part)", [s["time_ms"].get("stream.post_project")
-                                                               for s in shapes])]
+    rows = [("the whole kernel in that run (64 x 64 boxes)", [s["time_ms"].get("stream.post_project")
+                                                            for s in shapes])]
     rows += [("stripped to a plain copy, boxes of", None)]
     rows += [(label(tuning), [_stream_variant_ms(s, tuning) for s in shapes]) for tuning in stripped_tunings]
     rows.append(("the post alone (8 x 512 in registers, 1 KB rows)", [s["time_ms"].get("post") for s in shapes]))
