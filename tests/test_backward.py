@@ -410,6 +410,36 @@ def _tma_swizzles(host_source: str) -> dict:
     return found
 
 
+@pytest.mark.parametrize("n,add_dx", [(4, True), (4, False), (8, True), (2, False)])
+def test_lane_kernel_gives_two_consumer_warpgroups_their_own_lanes_for_sm90(n, add_dx):
+    """consumer_groups=2 (the CUDA that TileLang generates, no GPU or nvcc needed): a producer and two consumer
+    warpgroups, 384 threads. In the token loop the consumers branch on the thread index, and each branch issues
+    the tensor-core products of its own half of the CTA's lanes only, into its own accumulators: per lane the dx
+    products hi and lo, the first starting from zero (scale-d 0, no clearing of registers in the branch, which
+    made ptxas serialise every wgmma), and the dphi product; each waits for its own lanes' dx stores."""
+    import re
+
+    from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
+    from mhc_lab.kernels.source import generated_source, kernel_text
+
+    program = pre_backward_lanes_program(n, 4096, "bfloat16", "sm_90", add_dx=add_dx, splits=2, consumer_groups=2)
+    src = kernel_text(generated_source(program, "sm_90"))
+    half = lane_tiling(n, add_dx)[0] // 2
+    assert "__launch_bounds__(384" in src
+    lines = src[src.index("for (int tb_1 "):].splitlines()
+    start = next(k for k, line in enumerate(lines) if line.strip() == "if (((int)threadIdx.x) < 256) {")
+    indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
+    middle = next(k for k in range(start + 1, len(lines)) if lines[k] == indent + "} else {")
+    end = next(k for k in range(middle + 1, len(lines)) if lines[k] == indent + "}")
+    accumulators = []
+    for branch in ("\n".join(lines[start:middle]), "\n".join(lines[middle:end])):
+        assert branch.count("wgmma_ss<") == 3 * half
+        assert len(re.findall(r"\(\(0 < ki_?\d*\) \? 1 : 0\)", branch)) == half  # each lane's first dx product
+        assert branch.count(f"tma_store_wait<{half - 1}, true>") == half
+        accumulators.append(set(re.findall(r"\(\(uint32_t\*\)\((\w+) \+ ", branch)))
+    assert len(accumulators[0]) == len(accumulators[1]) == 2 * half and not accumulators[0] & accumulators[1]
+
+
 @needs_nvcc
 @pytest.mark.parametrize("n,add_dx", [(4, True), (4, False), (2, True), (8, True)])
 def test_lane_kernel_stores_dx_by_tma_and_reads_swizzled_tiles_for_sm90(n, add_dx):
@@ -505,6 +535,13 @@ def test_lane_kernel_refuses_tiles_beyond_shared_memory():
         pre_backward_lanes_program(2, 100, "bfloat16", "sm_90", stage_dx=True)
     with pytest.raises(ValueError, match=r"ctas_per_sm is 1 or 2, got 3"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", ctas_per_sm=3)
+    with pytest.raises(ValueError, match=r"consumer_groups is 1 or 2, got 4"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", consumer_groups=4)
+    with pytest.raises(ValueError, match=r"consumer_groups = 2 .* got overlap_dx = False, threads = 128, "
+                                         r"ctas_per_sm = 1, lane_group = 2"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", consumer_groups=2, overlap_dx=False)
+    with pytest.raises(ValueError, match=r"consumer_groups = 2 .* lane_group = 1"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", consumer_groups=2, lane_group=1)
     with pytest.raises(ValueError, match=r"leave_out times parts of the plain lane loop; overlap_dx .* got "
                                          r"leave_out = \('dphi',\)"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", overlap_dx=True, leave_out=("dphi",))
@@ -1065,14 +1102,14 @@ def _lane_operands(tokens, n, C, seed):
                                     {"overlap_dx": False}, {"overlap_dx": True},
                                     {"overlap_dx": True, "dx_products": 1},
                                     {"stage_dx": False, "swizzle_epilogue": False}, {"dy_once": True},
-                                    {"dy_once": False}])
+                                    {"dy_once": False}, {"consumer_groups": 2}])
 @pytest.mark.parametrize("add_dx", [False, True])
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
     """Kernel 2 alone, in each tuning, against float64 sums of the operands it is given: dx = dmix phi_j +
     H_pre[j] dy + 2 ds x_j (+ dx_post), dphi = dmix^T x; outputs poisoned first. With one product for dx
     (dmix rounded to bf16 in it) dx stays within one bf16 rounding of the truth."""
-    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, pre_backward_kernels
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, lane_tiling, pre_backward_kernels
 
     x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 7, device="cuda")
     x = x.to(torch.bfloat16)
@@ -1080,6 +1117,10 @@ def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
     dy, dx_post = dy.to(torch.bfloat16), dx_post.to(torch.bfloat16)
     dsplit, coef, dmix = _lane_operands(tokens, n, C, seed=tokens)
     phi32 = phi.float()
+    if tuning.get("consumer_groups", 1) > 1 and lane_tiling(n, add_dx)[0] % 2:  # one lane per CTA: refused
+        with pytest.raises(ValueError, match=r"consumer_groups = 2 .* lanes per CTA divisible by 2"):
+            pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, add_dx=add_dx, lane_splits=2, **tuning)
+        return
     _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, add_dx=add_dx, lane_splits=2, **tuning)
     dx = torch.full_like(x, float("nan"))
     partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
@@ -1098,9 +1139,9 @@ def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, extra):
     """overlap_dx reorders only when each GEMM is waited for, not what any accumulator sums or in which order
-    (nor do two CTAs per SM): dx and dphi are the plain kernel's bit for bit, with every extra operand, in the
-    default tiling and with one lane per CTA."""
-    from mhc_lab.kernels.pre_backward import gemm_depth, pre_backward_kernels
+    (nor do two CTAs per SM, nor two consumer warpgroups with their own lanes): dx and dphi are the plain
+    kernel's bit for bit, with every extra operand, in the default tiling and with one lane per CTA."""
+    from mhc_lab.kernels.pre_backward import gemm_depth, lane_tiling, pre_backward_kernels
 
     x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 3, device="cuda")
     x = x.to(torch.bfloat16)
@@ -1115,14 +1156,15 @@ def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, 
         orders.append({"ctas_per_sm": 2})
     for group in groups:
         outs = []
-        for order in orders:
+        split_lanes = not group and lane_tiling(n, flags["add_dx"], flags["post_grad"])[0] % 2 == 0
+        for order in orders + ([{"consumer_groups": 2}] if split_lanes else []):
             _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, lane_splits=2, **order, **flags,
                                             **group)
             dx = torch.full_like(x, float("nan"))
             partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
             lanes(x, dy, dsplit, coef, phi.float(), *more, dx, partial)
             outs.append((dx, partial))
-        for order, (dx, partial) in zip(orders[1:], outs[1:]):
+        for order, (dx, partial) in zip((orders + [{"consumer_groups": 2}])[1:], outs[1:]):
             assert torch.equal(outs[0][0], dx), f"dx differs ({extra}, {group}, {order})"
             assert torch.equal(outs[0][1], partial), f"dphi partial differs ({extra}, {group}, {order})"
 

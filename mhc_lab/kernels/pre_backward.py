@@ -456,7 +456,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
-                               dy_once: bool | None = None, leave_out: tuple = ()):
+                               dy_once: bool | None = None, consumer_groups: int = 1, leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -522,6 +522,16 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     Two CTAs with dx_post: 0.345 / 0.518 / 0.489 ms against one's 0.365 / 0.521 / 0.495 (run AO); before
     stage_dx 0.444 / 0.658 / 0.602 against 0.450 / 0.626 / 0.616 (run AM). Not the default: one run, and no
     gain at C = 4096.
+
+    consumer_groups (CUDA; built, not yet timed): 2 gives the CTA two consumer warpgroups (384 threads with the
+    producer) that share each staged tile and split its lanes: each issues its own lanes' products into its own
+    accumulators and runs their epilogues, so two warps per scheduler issue where one did, with the same tiles
+    and stages (two CTAs per SM, the other way to more consumer warps, halve each CTA's shared memory). The
+    consumer code branches on the thread index: TileLang then binds each branch's GEMMs and fragments to that
+    warpgroup's 128 threads (a fragment used by both branches lost the second one's work, and branching on
+    T.get_warp_group_idx() instead left each GEMM split across both). The first dx product overwrites its accumulator
+    (wgmma's scale-d 0) instead of a T.clear, which inside a branch made ptxas serialise every wgmma (C7518).
+    Needs overlap_dx, threads = 128, one CTA per SM and an even number of lanes per CTA.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -608,6 +618,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                          f"{tuple(leave_out)}")
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"pre backward (lanes): ctas_per_sm is 1 or 2, got {ctas_per_sm}")
+    if consumer_groups not in (1, 2):
+        raise ValueError(f"pre backward (lanes): consumer_groups is 1 or 2, got {consumer_groups}")
     if stage_dx is None:
         stage_dx = C % 8 == 0
     if dy_once is None:
@@ -626,6 +638,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): post_grad needs every lane in each CTA (each lane's dx takes all n "
                          f"lanes of g), so lane_group = n = {n}, got lane_group = {LG}")
     group = list(range(LG))
+    CG = consumer_groups
+    if CG > 1 and not (overlap_dx and threads == 128 and ctas_per_sm == 1 and LG % CG == 0):
+        raise ValueError(f"pre backward (lanes): consumer_groups = {CG} gives each of {CG} consumer warpgroups "
+                         f"(128 threads each) its own lanes with overlapped waits, so it needs overlap_dx, no "
+                         f"leave_out, threads = 128, ctas_per_sm = 1 and lanes per CTA divisible by {CG}; got "
+                         f"overlap_dx = {overlap_dx}, threads = {threads}, ctas_per_sm = {ctas_per_sm}, "
+                         f"lane_group = {LG}")
+    # each consumer warpgroup's lanes (all of them in one group)
+    group_lanes = [group[k * (LG // CG) : (k + 1) * (LG // CG)] for k in range(CG)]
     stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad, ctas_per_sm, stage_dx)
     CP = coef_width(n)
     smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad, stage_dx)
@@ -642,8 +663,12 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     def dx_gemms(a_dx, a_l0, phi_j, acc, annotations):
         # hi (phi_hi + phi_lo), then lo phi_hi; with more than one consumer warpgroup (block_tokens 128, 256
         # threads) each takes its own 64 tokens, all 32 columns (m64n32k16)
-        T.clear(acc)
-        T.gemm(a_dx, phi_j, acc, policy=T.GemmWarpPolicy.FullRow, annotations=annotations)
+        if CG > 1:  # the first product overwrites the accumulator (wgmma's scale-d 0): a T.clear in a
+            # warpgroup's branch made ptxas serialise every wgmma (C7518, "WG.DP in divergent path")
+            T.gemm(a_dx, phi_j, acc, policy=T.GemmWarpPolicy.FullRow, clear_accum=True, annotations=annotations)
+        else:
+            T.clear(acc)
+            T.gemm(a_dx, phi_j, acc, policy=T.GemmWarpPolicy.FullRow, annotations=annotations)
         if dx_products == 3:
             T.gemm(a_l0, phi_j[0 : KH if trim_lo else K2, 0:BC], acc, policy=T.GemmWarpPolicy.FullRow,
                    annotations=annotations)
@@ -662,13 +687,55 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             T.copy(dxf, dx_tile)
         else:  # through shared memory and a TMA store, which writes whole rows
             if T.shuffle_elect(threads):  # this buffer's store from the tile before has read it
-                T.tma_store_wait(LG - 1)
+                T.tma_store_wait(LG // CG - 1)
             T.copy(dxf, dx_s)
             T.tma_copy(dx_s, dx_tile)
 
     @T.macro
+    def overlapped_lanes(lanes_g, t0, lg, c0, dy_src, dxf, accs, acc_phi, keep, a_dx, a_l0, a_hl, phi_s, xs, coef_s,
+                         dps, gs, res_s, dx_stage, dx):
+        # one consumer warpgroup's lanes: each lane's dx GEMMs issued before the previous lane's epilogue, its
+        # dphi GEMM after it, none waited for at its issue
+        later = 2 if dx_products == 3 else 1  # wgmma groups one lane's dx GEMMs commit
+        dx_gemms(a_dx, a_l0, phi_s[lanes_g[0]], accs[lanes_g[0]], ASYNC)
+        for i, jj in enumerate(lanes_g):
+            if i + 1 < len(lanes_g):
+                dx_gemms(a_dx, a_l0, phi_s[lanes_g[i + 1]], accs[lanes_g[i + 1]], ASYNC)
+                T.wait_wgmma(later)
+            else:
+                T.wait_wgmma(0)
+            T.warpgroup_fence_operand(accs[jj], num_regs=BT * BC // threads)  # one thread's share
+            dx_epilogue(accs[jj], lg * LG + jj, xs[jj], dy_src, coef_s, dps[jj], gs, res_s, dxf, dx_stage[jj],
+                        dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
+            T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True, annotations=ASYNC)
+        T.wait_wgmma(0)
+        # the staged operands' last use: after the wait, so the stage is released only then
+        gemm_operands = [a_dx, a_hl] + [xs[jj] for jj in lanes_g] + ([a_l0] if dx_products == 3 else [])
+        keep[0] = sum([T.cast(b[0, 0], "float32") for b in gemm_operands], T.float32(0))
+
+    @T.macro
+    def group_work(k, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands):
+        # consumer group k's share of a tile: its dy held once (dy_once), then its lanes, overlapped
+        if dy_once:
+            for tt, c in T.Parallel(BT, BC):
+                dy_helds[k][tt, c] = T.cast(dys[tt, c], "float32")
+        overlapped_lanes(group_lanes[k], t0, lg, c0, _present(dy_helds[k], dys)[0], dxfs[k], accs, acc_phi, keep,
+                         *operands)
+
+    @T.macro
+    def lanes_tail(lanes_g, lg, c0, s, acc_phi, dphi_partial):
+        if stage_dx:
+            if T.shuffle_elect(threads):  # the last stores have read their buffers
+                T.tma_store_wait(0)
+        for jj in lanes_g:
+            j = lg * LG + jj
+            for k, c in T.Parallel(K2, BC):
+                if c0 + c < C:
+                    dphi_partial[s, k, j * C + c0 + c] = acc_phi[jj][k, c]
+
+    @T.macro
     def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial):
-        with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads) as (bc, lg, s):
+        with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads * CG) as (bc, lg, s):
             if ctas_per_sm > 1:  # registers for that many CTAs: no warpgroup register reallocation
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
                 T.no_set_max_nreg()
@@ -681,7 +748,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             coef_s = T.alloc_shared((BT, CP), "float32")  # H_pre per lane, then 2 ds
             acc = T.alloc_fragment((BT, BC), "float32")
             accs = [acc] + [T.alloc_fragment((BT, BC), "float32") for _ in (group[1:] if overlap_dx else ())]
-            dxf = T.alloc_fragment((BT, BC), dtype)
+            # with two consumer warpgroups each has its own dx and held dy fragments: a fragment is bound to the
+            # threads that first use it, and one shared by both branches lost the second warpgroup's work
+            dxfs = [T.alloc_fragment((BT, BC), dtype) for _ in range(CG)]
             # the post's dx tiles, one per lane (None without add_dx)
             dps = [T.alloc_shared((BT, BC), dtype) if dx_post is not None else None for _ in group]
             gs = [T.alloc_shared((BT, BC), dtype) for _ in lanes] if g is not None else None
@@ -691,7 +760,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             dx_stage = [T.alloc_shared((BT, BC), dtype) if stage_dx else None for _ in group]
             # dy_once: the tile's dy read once into registers for all its lanes (the epilogue's dy is
             # _present(dy_held, dys)[0]: dy_held where it exists, else the shared tile)
-            dy_held = T.alloc_fragment((BT, BC), "float32") if dy_once else None
+            dy_helds = [T.alloc_fragment((BT, BC), "float32") if dy_once else None for _ in range(CG)]
+            tx = T.get_thread_binding()  # the consumer warpgroup: tx < 128 is the first (consumer numbering)
             if swizzle_epilogue:  # the epilogue's tiles that no GEMM reads, in the GEMM tiles' swizzle
                 T.annotate_layout({b: make_swizzled_layout(b) for b in _present(dys, gs, dps)})
             c0 = bc * BC
@@ -706,7 +776,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     hi = T.cast(v, "bfloat16")
                     lo = T.cast(v - T.cast(hi, "float32"), "bfloat16")
                     phi_s[jj][k, c] = T.if_then_else(k < KH, hi, lo)
-                T.clear(acc_phi[jj])
+                if CG == 1:
+                    T.clear(acc_phi[jj])
+            if CG > 1:
+                if tx < 128:
+                    for jj in group_lanes[0]:
+                        T.clear(acc_phi[jj])
+                else:
+                    for jj in group_lanes[1]:
+                        T.clear(acc_phi[jj])
             for tb in T.Pipelined(tiles, num_stages=stages):
                 t0 = (s * tiles + tb) * BT
                 # operands arrive by copies only (zero-filled past the last token), so the pipeline may
@@ -726,45 +804,34 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         T.copy(g[t0 : t0 + BT, i, c0 : c0 + BC], gs[i])
                     T.copy(res[t0 : t0 + BT, 0:n, 0:n], res_s)
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
-                if dy_once:
-                    for tt, c in T.Parallel(BT, BC):
-                        dy_held[tt, c] = T.cast(dys[tt, c], "float32")
-                if overlap_dx:
-                    later = 2 if dx_products == 3 else 1  # wgmma groups one lane's dx GEMMs commit
-                    dx_gemms(a_dx, a_l0, phi_s[0], accs[0], ASYNC)
-                    for jj in group:
-                        if jj + 1 < LG:
-                            dx_gemms(a_dx, a_l0, phi_s[jj + 1], accs[jj + 1], ASYNC)
-                            T.wait_wgmma(later)
-                        else:
-                            T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(accs[jj], num_regs=BT * BC // threads)  # one thread's share
-                        dx_epilogue(accs[jj], lg * LG + jj, xs[jj], _present(dy_held, dys)[0], coef_s, dps[jj], gs,
-                                    res_s, dxf, dx_stage[jj], dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
-                        if "dphi" not in left:
-                            T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True, annotations=ASYNC)
-                    T.wait_wgmma(0)
-                    # the staged operands' last use: after the wait, so the stage is released only then
-                    gemm_operands = [a_dx, a_hl, *xs] + ([a_l0] if dx_products == 3 else [])
-                    keep[0] = sum([T.cast(b[0, 0], "float32") for b in gemm_operands], T.float32(0))
+                operands = (a_dx, a_l0, a_hl, phi_s, xs, coef_s, dps, gs, res_s, dx_stage, dx)
+                if CG > 1:  # each consumer warpgroup its own lanes, held dy and dx fragments
+                    if tx < 128:
+                        group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
+                    else:
+                        group_work(1, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
+                elif overlap_dx:
+                    group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
                 else:
+                    if dy_once:
+                        for tt, c in T.Parallel(BT, BC):
+                            dy_helds[0][tt, c] = T.cast(dys[tt, c], "float32")
                     for jj in group:
                         if "dx_gemm" in left:
                             T.clear(accs[0])
                         else:
                             dx_gemms(a_dx, a_l0, phi_s[jj], accs[0], None)
-                        dx_epilogue(accs[0], lg * LG + jj, xs[jj], _present(dy_held, dys)[0], coef_s, dps[jj], gs,
-                                    res_s, dxf, dx_stage[jj], dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
+                        dx_epilogue(accs[0], lg * LG + jj, xs[jj], _present(dy_helds[0], dys)[0], coef_s, dps[jj],
+                                    gs, res_s, dxfs[0], dx_stage[jj], dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
                         if "dphi" not in left:
                             T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
-            if stage_dx:
-                if T.shuffle_elect(threads):  # the last stores have read their buffers
-                    T.tma_store_wait(0)
-            for jj in group:
-                j = lg * LG + jj
-                for k, c in T.Parallel(K2, BC):
-                    if c0 + c < C:
-                        dphi_partial[s, k, j * C + c0 + c] = acc_phi[jj][k, c]
+            if CG > 1:
+                if tx < 128:
+                    lanes_tail(group_lanes[0], lg, c0, s, acc_phi, dphi_partial)
+                else:
+                    lanes_tail(group_lanes[1], lg, c0, s, acc_phi, dphi_partial)
+            else:
+                lanes_tail(group, lg, c0, s, acc_phi, dphi_partial)
 
     if add_dx:
 

@@ -555,7 +555,7 @@ def chaining_on_cuda(enabled: bool):
 
 
 LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo", "overlap_dx",
-                "ctas_per_sm", "swizzle_epilogue", "stage_dx", "dy_once")
+                "ctas_per_sm", "swizzle_epilogue", "stage_dx", "dy_once", "consumer_groups")
 
 
 def check_lane_tuning(tuning: dict) -> dict:
