@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import statistics
 import sys
 import time
 
@@ -168,10 +169,7 @@ def round_ratios(rounds_ms: dict[str, list[float]], ours: str = "ours_chained", 
     if not a or not b:
         return {}
     ratios = [x / y for x, y in zip(a, b)]
-    ordered = sorted(ratios)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return {"ratios": ratios, "median": median, "least": ordered[0], "most": ordered[-1]}
+    return {"ratios": ratios, "median": statistics.median(ratios), "least": min(ratios), "most": max(ratios)}
 
 
 def bench_site(tokens, C, bench, *, skip=(), log=print, graph_rounds: int = 1) -> dict:

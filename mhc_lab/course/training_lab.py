@@ -690,15 +690,13 @@ def lane_mix_counts(n: int = 4, C: int = 256) -> dict[str, dict[str, int]]:
     """What the mix's loop body does in the CUDA TileLang generates for lane_mix_program both ways (lowered
     here, no GPU or nvcc needed): its vector loads of the lane tiles from shared memory and its bf16-to-float32
     pair conversions, per vector of elements each thread handles."""
-    import re
-
-    from mhc_lab.kernels.source import generated_source, kernel_text
+    from mhc_lab.kernels.source import generated_source, lines_matching
 
     counts = {}
     for name, bound in (("list", False), ("bound", True)):
-        text = kernel_text(generated_source(lane_mix_program(n, C, bound), "sm_90"))
-        counts[name] = {"lane_loads": len(re.findall(r"= \*\(uint\d?\*\)\(\(\(bfloat16_t\*\)", text)),
-                        "conversions": text.count("__bfloat1622float2")}
+        source = generated_source(lane_mix_program(n, C, bound), "sm_90")
+        counts[name] = {"lane_loads": len(lines_matching(source, r"= \*\(uint\d?\*\)\(\(\(bfloat16_t\*\)")),
+                        "conversions": len(lines_matching(source, r"__bfloat1622float2"))}
     return counts
 
 

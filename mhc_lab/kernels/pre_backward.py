@@ -714,11 +714,16 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         keep[0] = sum([T.cast(b[0, 0], "float32") for b in gemm_operands], T.float32(0))
 
     @T.macro
-    def group_work(k, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands):
-        # consumer group k's share of a tile: its dy held once (dy_once), then its lanes, overlapped
+    def hold_dy(dy_held, dys):
+        # dy_once: the tile's dy read once into registers for all the lanes that use it
         if dy_once:
             for tt, c in T.Parallel(BT, BC):
-                dy_helds[k][tt, c] = T.cast(dys[tt, c], "float32")
+                dy_held[tt, c] = T.cast(dys[tt, c], "float32")
+
+    @T.macro
+    def group_work(k, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands):
+        # consumer group k's share of a tile: its dy held once (dy_once), then its lanes, overlapped
+        hold_dy(dy_helds[k], dys)
         overlapped_lanes(group_lanes[k], t0, lg, c0, _present(dy_helds[k], dys)[0], dxfs[k], accs, acc_phi, keep,
                          *operands)
 
@@ -813,9 +818,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 elif overlap_dx:
                     group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
                 else:
-                    if dy_once:
-                        for tt, c in T.Parallel(BT, BC):
-                            dy_helds[0][tt, c] = T.cast(dys[tt, c], "float32")
+                    hold_dy(dy_helds[0], dys)
                     for jj in group:
                         if "dx_gemm" in left:
                             T.clear(accs[0])
