@@ -374,7 +374,8 @@ def test_lane_kernel_overlapped_waits_for_each_lane_and_releases_its_operands_la
     """overlap_dx (the default, with or without dx_post): per token tile, each lane's dx GEMMs are issued before
     the previous lane's epilogue (which first waits for all but the newest lane's groups, then fences the
     accumulator it reads), and the stage's GEMM operands (dmix's three splits, the lanes' x tiles) are handed
-    back to the producer only after the tile's last wait."""
+    back to the producer only after the tile's last wait. With two consumer warpgroups (the default where each
+    gets two lanes or more) each warpgroup's lanes in turn, in its own branch."""
     import re
 
     from mhc_lab.kernels._target import compile_program
@@ -383,18 +384,21 @@ def test_lane_kernel_overlapped_waits_for_each_lane_and_releases_its_operands_la
     source = compile_program(pre_backward_lanes_program(n, 4096, "bfloat16", "sm_90", add_dx=add_dx,
                                                         dx_products=dx_products),
                              "sm_90").get_kernel_source()
-    lanes = lane_tiling(n, add_dx)[0]
+    lanes, _, groups = lane_tiling(n, add_dx)
+    assert groups == (2 if n == 4 else 1)  # two warpgroups of two lanes each where n = 4
+    own = lanes // groups  # each warpgroup's lanes
     consumer = source[source.index("warpgroup_reg_alloc"):]
     waits = re.findall(r"wait_wgmma<(\d+)>", consumer)
-    assert waits == [str(2 if dx_products == 3 else 1)] * (lanes - 1) + ["0", "0"]
+    assert waits == ([str(2 if dx_products == 3 else 1)] * (own - 1) + ["0", "0"]) * groups
     # the GEMMs issued before the first wait: the first two lanes' dx products (one lane's with one lane)
     first_wait = consumer.index("wait_wgmma<")
     per_lane = 2 if dx_products == 3 else 1  # commit groups of one lane's dx GEMMs
-    assert consumer[:first_wait].count("warpgroup_commit_batch") == min(lanes, 2) * per_lane
+    assert consumer[:first_wait].count("warpgroup_commit_batch") == min(own, 2) * per_lane
     tail = consumer[consumer.rindex("wait_wgmma<0>"):]
     released = re.findall(r"mbarrier\[\(\(tb_1 [%&] \d+\) \+ \d+\)\]\.arrive\(\)", tail)  # % or & by the stages
     operands = 2 + (dx_products == 3) + lanes  # a_dx, a_hl (a_l0), the lanes' x tiles
-    assert len(released) == operands, released
+    # one warpgroup: each operand's release; two: the stage's one release, after both warpgroups' branches
+    assert len(released) == (operands if groups == 1 else 1), released
 
 
 def _tma_swizzles(host_source: str) -> dict:
@@ -447,7 +451,8 @@ def test_lane_kernel_stores_dx_by_tma_and_reads_swizzled_tiles_for_sm90(n, add_d
     its own shared buffer and goes out by one TMA store per token tile; before a buffer is written again the
     store that read it last time is waited for (LG - 1 stores may stay in flight), and all of them once after
     the token loop; nothing stores dx from registers. swizzle_epilogue: dy's and dx_post's TMA loads use the
-    same swizzle as the x tiles the GEMMs read (none without the option). C = 100 cannot take TMA stores."""
+    same swizzle as the x tiles the GEMMs read (none without the option). C = 100 cannot take TMA stores. With
+    two consumer warpgroups, each waits for its own lanes' stores."""
     import re
 
     from mhc_lab.kernels._target import compile_program
@@ -458,9 +463,10 @@ def test_lane_kernel_stores_dx_by_tma_and_reads_swizzled_tiles_for_sm90(n, add_d
                                "sm_90")
 
     kernel = build()
-    source, lanes = kernel.get_kernel_source(), lane_tiling(n, add_dx)[0]
+    source, (lanes, _, groups) = kernel.get_kernel_source(), lane_tiling(n, add_dx)
     assert source.count("tma_store(dx_desc") == lanes and source.count("ptx_stmatrix") == lanes
-    assert re.findall(r"tma_store_wait<(\d+), true>", source) == [str(lanes - 1)] * lanes + ["0"]
+    # each consumer warpgroup's stores: the warpgroup's lanes minus one in flight, then all of them waited for
+    assert re.findall(r"tma_store_wait<(\d+), true>", source) == [str(lanes // groups - 1)] * lanes + ["0"] * groups
     assert source.rindex("tma_store_wait<0") > source.rindex("tma_store(dx_desc")
     assert not re.search(r"\(dx \+ ", source)  # no store of dx from registers
     swizzles = _tma_swizzles(kernel.get_host_source())
@@ -483,9 +489,9 @@ def test_lane_kernel_two_ctas_per_sm_keep_their_registers_and_fit_for_sm90():
     source = compile_program(pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, ctas_per_sm=2),
                              "sm_90").get_kernel_source()
     assert "__launch_bounds__(256, 2)" in source and "reg_alloc" not in source
-    lanes, columns = lane_tiling(4, True, False, 2)
+    lanes, columns, groups = lane_tiling(4, True, False, 2)
     stages = lane_stages(4, lanes, 64, columns, True, False, 2)
-    assert (lanes, columns, stages) == (2, 32, 2)
+    assert (lanes, columns, groups, stages) == (2, 32, 1, 2)
     assert lanes_shared_bytes(4, lanes, 64, columns, stages, True) <= shared_per_cta(2) < shared_per_cta(1) // 2
 
 
@@ -512,8 +518,8 @@ def test_lane_kernel_default_tiles_fit_in_shared_memory(n, add_dx, block_tokens,
     memory (n = 8 with dx_post and 128-token tiles first asked for 235520 bytes)."""
     from mhc_lab.kernels.pre_backward import lane_stages, lane_tiling, lanes_shared_bytes, shared_per_cta
 
-    lanes, columns = lane_tiling(n, add_dx, ctas_per_sm=ctas, block_tokens=block_tokens)
-    assert n % lanes == 0
+    lanes, columns, groups = lane_tiling(n, add_dx, ctas_per_sm=ctas, block_tokens=block_tokens)
+    assert n % lanes == 0 and lanes % groups == 0
     stages = lane_stages(n, lanes, block_tokens, columns, add_dx, ctas_per_sm=ctas)
     assert lanes_shared_bytes(n, lanes, block_tokens, columns, stages, add_dx) <= shared_per_cta(ctas)
 
@@ -538,7 +544,7 @@ def test_lane_kernel_refuses_tiles_beyond_shared_memory():
     with pytest.raises(ValueError, match=r"consumer_groups is 1 or 2, got 4"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", consumer_groups=4)
     with pytest.raises(ValueError, match=r"consumer_groups = 2 .* got overlap_dx = False, threads = 128, "
-                                         r"ctas_per_sm = 1, lane_group = 2"):
+                                         r"ctas_per_sm = 1, lane_group = 4"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", consumer_groups=2, overlap_dx=False)
     with pytest.raises(ValueError, match=r"consumer_groups = 2 .* lane_group = 1"):
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", consumer_groups=2, lane_group=1)
@@ -553,7 +559,7 @@ def test_lane_kernel_takes_the_deepest_pipeline_that_fits(n, add_dx):
     from mhc_lab.kernels._target import SMEM_LIMIT
     from mhc_lab.kernels.pre_backward import lane_stages, lane_tiling, lanes_shared_bytes
 
-    lanes, columns = lane_tiling(n, add_dx)
+    lanes, columns, _ = lane_tiling(n, add_dx)
     stages = lane_stages(n, lanes, 64, columns, add_dx)
     assert 1 <= stages <= (3 if add_dx else 2)
     assert lanes_shared_bytes(n, lanes, 64, columns, stages, add_dx) <= SMEM_LIMIT
@@ -570,7 +576,7 @@ def test_lane_splits_fill_the_waves_of_ctas(n, C, sms, add_dx, ctas):
     # takes the fewest splits whose waves are at least 90% full, or else the fullest waves there are
     from mhc_lab.kernels.pre_backward import lane_splits_for, lane_tiling
 
-    lanes, columns = lane_tiling(n, add_dx, False, ctas)
+    lanes, columns, _ = lane_tiling(n, add_dx, False, ctas)
     blocks = -(-C // columns) * (n // lanes)
     wave = sms * ctas
 

@@ -571,7 +571,8 @@ def kernel2_steps_table(recording: dict | None = None, run: str = "U", lane_grou
     n = results.get("n", 4)
 
     def as_a_site_runs(shape, row):  # the splits a site runs, and no other tuning
-        rule = (lane_splits_for(n, shape["C"], sms, add_dx=bool(row.get("add_dx")), lane_group=lane_group)
+        rule = (lane_splits_for(n, shape["C"], sms, add_dx=bool(row.get("add_dx")), lane_group=lane_group,
+                                consumer_groups=1)  # one consumer warpgroup before run AV
                 if sms else None)
         tuned = set(row) & {"lane_splits", *LANE_TUNABLE}
         return row.get("token_splits", 1) == rule and not tuned

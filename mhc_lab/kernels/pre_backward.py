@@ -456,7 +456,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                stages: int | None = None, dx_products: int = 3, threads: int = 128,
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
-                               dy_once: bool | None = None, consumer_groups: int = 1, leave_out: tuple = ()):
+                               dy_once: bool | None = None, consumer_groups: int | None = None,
+                               leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -523,15 +524,19 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     stage_dx 0.444 / 0.658 / 0.602 against 0.450 / 0.626 / 0.616 (run AM). Not the default: one run, and no
     gain at C = 4096.
 
-    consumer_groups (CUDA; built, not yet timed): 2 gives the CTA two consumer warpgroups (384 threads with the
-    producer) that share each staged tile and split its lanes: each issues its own lanes' products into its own
-    accumulators and runs their epilogues, so two warps per scheduler issue where one did, with the same tiles
-    and stages (two CTAs per SM, the other way to more consumer warps, halve each CTA's shared memory). The
-    consumer code branches on the thread index: TileLang then binds each branch's GEMMs and fragments to that
-    warpgroup's 128 threads (a fragment used by both branches lost the second one's work, and branching on
-    T.get_warp_group_idx() instead left each GEMM split across both). The first dx product overwrites its accumulator
-    (wgmma's scale-d 0) instead of a T.clear, which inside a branch made ptxas serialise every wgmma (C7518).
-    Needs overlap_dx, threads = 128, one CTA per SM and an even number of lanes per CTA.
+    consumer_groups (CUDA): 2 gives the CTA two consumer warpgroups (384 threads with the producer) that share
+    each staged tile and split its lanes: each issues its own lanes' products into its own accumulators and runs
+    their epilogues, so two warps per scheduler issue where one did, with the same tiles and stages (two CTAs
+    per SM, the other way to more consumer warps, halve each CTA's shared memory). The consumer code branches
+    on the thread index: TileLang then binds each branch's GEMMs and fragments to that warpgroup's 128 threads
+    (a fragment used by both branches lost the second one's work, and branching on T.get_warp_group_idx()
+    instead left each GEMM split across both). The first dx product overwrites its accumulator (wgmma's
+    scale-d 0) instead of a T.clear, which inside a branch made ptxas serialise every wgmma (C7518). Needs
+    overlap_dx, threads = 128, one CTA per SM and an even number of lanes per CTA. Default (None): two where
+    each warpgroup gets two lanes or more (lane_tiling, consumer_groups_for): with dx_post 0.296 / 0.435 /
+    0.441 ms against 0.350 / 0.498 / 0.473 at C = 2560 / 4096 / 7168, without it (4 lanes per CTA instead of
+    2) 0.212 / 0.321 / 0.358 against 0.263 / 0.386 / 0.377 (run AV, H200, 2026-11-30; dx and dphi the same bit
+    for bit as one warpgroup's, dphi within 1.2e-5 where the token splits differ).
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -618,7 +623,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                          f"{tuple(leave_out)}")
     if ctas_per_sm not in (1, 2):
         raise ValueError(f"pre backward (lanes): ctas_per_sm is 1 or 2, got {ctas_per_sm}")
-    if consumer_groups not in (1, 2):
+    if consumer_groups not in (None, 1, 2):
         raise ValueError(f"pre backward (lanes): consumer_groups is 1 or 2, got {consumer_groups}")
     if stage_dx is None:
         stage_dx = C % 8 == 0
@@ -630,7 +635,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     KH = gemm_depth(n)
     K2 = 2 * KH
     BT = block_tokens
-    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad, ctas_per_sm, block_tokens)
+    consumer_groups = consumer_groups_asked(consumer_groups, threads, overlap_dx, leave_out)
+    default_lanes, default_columns, default_groups = lane_tiling(n, add_dx, post_grad, ctas_per_sm, block_tokens,
+                                                                 consumer_groups)
     LG, BC = lane_group or default_lanes, block_c or default_columns
     if n % LG:
         raise ValueError(f"pre backward (lanes): lane_group must divide n, got lane_group = {LG}, n = {n}")
@@ -638,7 +645,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): post_grad needs every lane in each CTA (each lane's dx takes all n "
                          f"lanes of g), so lane_group = n = {n}, got lane_group = {LG}")
     group = list(range(LG))
-    CG = consumer_groups
+    CG = consumer_groups or (default_groups if lane_group is None
+                             else consumer_groups_for(LG, post_grad=post_grad, ctas_per_sm=ctas_per_sm,
+                                                      block_tokens=BT))
     if CG > 1 and not (overlap_dx and threads == 128 and ctas_per_sm == 1 and LG % CG == 0):
         raise ValueError(f"pre backward (lanes): consumer_groups = {CG} gives each of {CG} consumer warpgroups "
                          f"(128 threads each) its own lanes with overlapped waits, so it needs overlap_dx, no "
@@ -874,33 +883,61 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
 
 def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False, ctas_per_sm: int = 1,
-                block_tokens: int = 64) -> tuple[int, int]:
-    """(lanes per CTA, columns per CTA) of kernel 2 on CUDA. On the H200 at n = 4 (2026-11-30):
-    - without dx_post, 2 lanes (1 for odd n) and the most columns (64 or 32) whose dphi accumulators, lanes x
-      2 gemm_depth(n) x columns float32, stay within 128 registers per thread of a 128-thread CTA. Two lanes
-      beat four, 0.513 against 0.548 ms at 16384 x 4096, 0.379 against 0.400 at 16384 x 2560;
+                block_tokens: int = 64, consumer_groups: int | None = None) -> tuple[int, int, int]:
+    """(lanes per CTA, columns per CTA, consumer warpgroups) of kernel 2 on CUDA. On the H200 at n = 4
+    (2026-11-30):
+    - without dx_post, 2 lanes per consumer warpgroup (1 for odd n) and the most columns (64 or 32) whose dphi
+      accumulators, 2 lanes x 2 gemm_depth(n) x columns float32, stay within 128 registers per thread of a
+      warpgroup. Two warpgroups of 2 lanes each (4 lanes per CTA, where n has them and their two stages fit)
+      beat one of 2: 0.212 / 0.321 / 0.358 ms against 0.263 / 0.386 / 0.377 at C = 2560 / 4096 / 7168 (run AV;
+      two warpgroups of one lane each were slower, 0.274 / 0.404 / 0.412). One warpgroup of 2 lanes had beaten
+      one of 4, 0.513 against 0.548 ms at 16384 x 4096;
     - with dx_post, 32 columns, which beat 64 (in 3 stages against 2: 0.481 / 0.673 / 0.621 against 0.514 /
       0.723 / 0.668 ms at C = 2560 / 4096 / 7168; more CTAs, a deeper pipeline in the same shared memory), and
       the most lanes up to 4 that divide n and fit two stages: with overlap_dx, whose overlap grows with the
       lanes, 4 lanes beat 2, 0.446 / 0.631 / 0.610 against 0.470 / 0.654 / 0.611 ms (run AK). At n = 8 two
       stages of 4 lanes do not fit, and it takes 2; where no lanes fit two stages of block_tokens tokens (n = 8
-      with 128-token tiles), the most lanes that fit one. Without dx_post too, fewer lanes where one stage of
-      two does not fit (n = 8 with two CTAs per SM).
-    With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit).
-    With ctas_per_sm CTAs per SM, the lanes whose two stages fit each one's share of the SM."""
+      with 128-token tiles), the most lanes that fit one. Four lanes go to two warpgroups of 2
+      (consumer_groups_for): 0.296 / 0.435 / 0.441 ms against one warpgroup's 0.350 / 0.498 / 0.473 (run AV).
+      Without dx_post too, fewer lanes where one stage of two does not fit (n = 8 with two CTAs per SM).
+    With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit), one
+    warpgroup.
+    With ctas_per_sm CTAs per SM, the lanes whose two stages fit each one's share of the SM, one warpgroup.
+    consumer_groups: None for the default above, or the warpgroups asked for (1 or 2)."""
     if post_grad:
-        return n, 32 if n <= 4 else 16
+        return n, 32 if n <= 4 else 16, 1
+    budget = shared_per_cta(ctas_per_sm)
     if add_dx:
         for stages in (2, 1):
             for lanes in (4, 2, 1):
-                if (n % lanes == 0 and lanes_shared_bytes(n, lanes, block_tokens, 32, stages, True)
-                        <= shared_per_cta(ctas_per_sm)):
-                    return lanes, 32
-    lanes = 2 if n % 2 == 0 else 1
-    columns = 32 if lanes * 2 * gemm_depth(n) * 64 > 128 * 128 else 64
-    while lanes > 1 and lanes_shared_bytes(n, lanes, block_tokens, columns, 1, False) > shared_per_cta(ctas_per_sm):
+                if n % lanes == 0 and lanes_shared_bytes(n, lanes, block_tokens, 32, stages, True) <= budget:
+                    return lanes, 32, consumer_groups or consumer_groups_for(lanes, ctas_per_sm=ctas_per_sm,
+                                                                                   block_tokens=block_tokens)
+    per_group = 2 if n % 2 == 0 else 1
+    columns = 32 if per_group * 2 * gemm_depth(n) * 64 > 128 * 128 else 64
+    if (consumer_groups != 1 and n % (2 * per_group) == 0
+            and consumer_groups_for(2 * per_group, ctas_per_sm=ctas_per_sm, block_tokens=block_tokens) == 2
+            and lanes_shared_bytes(n, 2 * per_group, block_tokens, columns, 2, False) <= budget):
+        return 2 * per_group, columns, 2
+    lanes = per_group
+    while lanes > 1 and lanes_shared_bytes(n, lanes, block_tokens, columns, 1, False) > budget:
         lanes //= 2
-    return lanes, columns
+    return lanes, columns, consumer_groups or 1
+
+
+def consumer_groups_for(lanes: int, *, post_grad: bool = False, ctas_per_sm: int = 1, block_tokens: int = 64) -> int:
+    """Kernel 2's consumer warpgroups by default for a CTA of `lanes` lanes: two where each gets at least two
+    lanes, with one CTA per SM, 64-token tiles and no post_grad (the measured cases, lane_tiling); else one."""
+    return 2 if lanes % 4 == 0 and ctas_per_sm == 1 and block_tokens == 64 and not post_grad else 1
+
+
+def consumer_groups_asked(consumer_groups: int | None = None, threads: int = 128, overlap_dx: bool | None = None,
+                          leave_out: tuple = ()) -> int | None:
+    """The consumer warpgroups a tuning asks for: its own, else 1 where the tuning rules two out (threads other
+    than 128, overlap_dx off, leave_out), else None (lane_tiling's default)."""
+    if consumer_groups is None and (threads != 128 or overlap_dx is False or leave_out):
+        return 1
+    return consumer_groups
 
 
 def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool, post_grad: bool = False,
@@ -930,15 +967,16 @@ def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stag
 
 def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad: bool = False,
                     lane_group: int | None = None, block_c: int | None = None, ctas_per_sm: int = 1,
-                    block_tokens: int = 64, least_efficiency: float = 0.9, most: int = 32) -> int:
+                    block_tokens: int = 64, consumer_groups: int | None = None, least_efficiency: float = 0.9,
+                    most: int = 32) -> int:
     """Token splits S of kernel 2 on CUDA for a GPU with `sms` SMs. Its shared memory holds one CTA per SM,
     so its (column blocks x S) CTAs run in waves of `sms`; the last wave's empty SMs are lost time (at
     16384 x 2560 on the H200, 40 column blocks x 4 splits = 160 CTAs took 0.60 ms, more than 64 x 4 = 256
     CTAs at C = 4096 took). The smallest S whose waves are at least `least_efficiency` full, else the fullest
     (each split adds a dphi partial of 2 gemm_depth(n) x nC floats to write and sum). lane_group, block_c,
-    ctas_per_sm and block_tokens as the kernel takes them (default lane_tiling's; with ctas_per_sm CTAs per SM,
-    waves of ctas_per_sm x sms)."""
-    default_lanes, default_columns = lane_tiling(n, add_dx, post_grad, ctas_per_sm, block_tokens)
+    ctas_per_sm, block_tokens and consumer_groups (consumer_groups_asked) as the kernel takes them (default
+    lane_tiling's; with ctas_per_sm CTAs per SM, waves of ctas_per_sm x sms)."""
+    default_lanes, default_columns, _ = lane_tiling(n, add_dx, post_grad, ctas_per_sm, block_tokens, consumer_groups)
     lanes, columns = lane_group or default_lanes, block_c or default_columns
     sms = sms * ctas_per_sm
     blocks = -(-C // columns) * (n // lanes)

@@ -120,13 +120,17 @@ def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
 def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool, post_grad: bool = False,
                  tiling: dict | None = None) -> int:
     """Token splits of the pre backward's lane kernel: its CTAs in waves that fill the GPU's SMs (with the
-    lane_group, block_c, ctas_per_sm and block_tokens of ``tiling``, default LANE_TUNING's)."""
-    from mhc_lab.kernels.pre_backward import lane_splits_for
+    lane_group, block_c, ctas_per_sm, block_tokens and consumer warpgroups of ``tiling``, default
+    LANE_TUNING's)."""
+    from mhc_lab.kernels.pre_backward import consumer_groups_asked, lane_splits_for
 
     tiling = LANE_TUNING if tiling is None else tiling
+    groups = consumer_groups_asked(tiling.get("consumer_groups"), tiling.get("threads", 128),
+                                   tiling.get("overlap_dx"), tuple(tiling.get("leave_out", ())))
     return lane_splits_for(n, C, torch.cuda.get_device_properties(device).multi_processor_count, add_dx=add_dx,
                            post_grad=post_grad, lane_group=tiling.get("lane_group"), block_c=tiling.get("block_c"),
-                           ctas_per_sm=tiling.get("ctas_per_sm", 1), block_tokens=tiling.get("block_tokens", 64))
+                           ctas_per_sm=tiling.get("ctas_per_sm", 1), block_tokens=tiling.get("block_tokens", 64),
+                           consumer_groups=groups)
 
 
 def _no_autocast(fn):
