@@ -41,6 +41,22 @@ def test_the_recorded_tables_render_every_recorded_row():
             assert f"{ms:.2f} ms" in block
 
 
+def test_block_table_takes_torch_compile_from_the_latest_run_that_timed_it():
+    def block(C, residual, **times):
+        return {"C": C, "tokens": 16384, "times_ms": {"residual": residual, **times}, "peak_gib": {}}
+
+    results = {"block": [block(4096, 40.0, mhc_ours=44.0), block(2560, 20.0, mhc_ours=23.0)],
+               "block_repeats": [{"run": "A", "block": [block(4096, 30.0, mhc_compiled=60.0)]},
+                                 {"run": "B", "block": [block(4096, 50.0, mhc_compiled=75.0)]},
+                                 {"run": "C", "block": [block(4096, 50.0, mhc_ours=1.0)]}]}
+    text = training_lab.block_table(results)
+    at_4096, at_2560 = text.split("C = 2560")
+    assert "+10.0%" in at_4096 and "75.00 ms" in at_4096 and "+50.0%" in at_4096 and "(run B" in at_4096
+    assert "60.00 ms" not in text and "torch.compile" not in at_2560  # only the latest, only its own width
+    results["block"][0]["times_ms"]["mhc_compiled"] = 80.0  # timed in the main run: that one only
+    assert "(run" not in training_lab.block_table(results) and "+100.0%" in training_lab.block_table(results)
+
+
 def _kernel2_recording(sweeps: list, sm_count: int = 132) -> dict:
     return {"environment": {"gpu": "Some GPU", "date": "2026-01-02", "sm_count": sm_count},
             "results": {"n": 4, "copy_gbps": 4000.0, "sweeps": sweeps}}

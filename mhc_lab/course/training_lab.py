@@ -726,8 +726,27 @@ def _block_overhead(row: dict, key: str):
     return o
 
 
+def _block_line(r: dict, key: str, label: str, note: str = "") -> str:
+    times, peak = r.get("times_ms") or {}, r.get("peak_gib") or {}
+    o = _block_overhead(r, key)
+    o_text = f"{o:+.1f}%" if isinstance(o, (int, float)) else ""
+    p_text = f"{peak[key]:.2f} GiB" if isinstance(peak.get(key), (int, float)) else "-"
+    return f"  {label:<26}{_ms(times.get(key), ' ms'):>12}  {o_text:>8}   peak {p_text}{note}"
+
+
+def _latest_repeat_with(results: dict, C, key: str):
+    """(run, block row) of the latest block_repeats entry that timed ``key`` at width C, or None."""
+    for repeat in reversed(results.get("block_repeats") or []):
+        for r in repeat.get("block") or []:
+            if r.get("C") == C and key in (r.get("times_ms") or {}):
+                return repeat.get("run", "?"), r
+    return None
+
+
 def block_table(results: dict) -> str:
-    """A transformer block, forward + backward: time, overhead over the plain residual, peak memory."""
+    """A transformer block, forward + backward: time, overhead over the plain residual, peak memory. torch.compile,
+    where the main run skipped it (minutes of compiling per width), from the latest run that timed it, against
+    that run's own plain residual."""
     rows = (results or {}).get("block") or []
     if not rows:
         return "(no block measurements)"
@@ -736,12 +755,13 @@ def block_table(results: dict) -> str:
         times, peak = r.get("times_ms") or {}, r.get("peak_gib") or {}
         lines.append(f"C = {r.get('C', '?')}, {r.get('tokens', '?')} tokens:")
         for key, label in BLOCK_IMPLEMENTATIONS.items():
-            if key not in times and key not in peak:
-                continue
-            o = _block_overhead(r, key)
-            o_text = f"{o:+.1f}%" if isinstance(o, (int, float)) else ""
-            p_text = f"{peak[key]:.2f} GiB" if isinstance(peak.get(key), (int, float)) else "-"
-            lines.append(f"  {label:<26}{_ms(times.get(key), ' ms'):>12}  {o_text:>8}   peak {p_text}")
+            if key in times or key in peak:
+                lines.append(_block_line(r, key, label))
+        found = None if "mhc_compiled" in times else _latest_repeat_with(results, r.get("C"), "mhc_compiled")
+        if found:
+            run, other = found
+            lines.append(_block_line(other, "mhc_compiled", BLOCK_IMPLEMENTATIONS["mhc_compiled"],
+                                     f"   (run {run}, against its own plain residual)"))
     return "\n".join(lines)
 
 
