@@ -414,8 +414,9 @@ def _tma_swizzles(host_source: str) -> dict:
     return found
 
 
-@pytest.mark.parametrize("n,add_dx", [(4, True), (4, False), (8, True), (2, False)])
-def test_lane_kernel_gives_two_consumer_warpgroups_their_own_lanes_for_sm90(n, add_dx):
+@pytest.mark.parametrize("n,add_dx,post_grad", [(4, True, False), (4, False, False), (8, True, False),
+                                               (2, False, False), (4, False, True)])
+def test_lane_kernel_gives_two_consumer_warpgroups_their_own_lanes_for_sm90(n, add_dx, post_grad):
     """consumer_groups=2 (the CUDA that TileLang generates, no GPU or nvcc needed): a producer and two consumer
     warpgroups, 384 threads. In the token loop the consumers branch on the thread index, and each branch issues
     the tensor-core products of its own half of the CTA's lanes only, into its own accumulators: per lane the dx
@@ -426,9 +427,10 @@ def test_lane_kernel_gives_two_consumer_warpgroups_their_own_lanes_for_sm90(n, a
     from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
     from mhc_lab.kernels.source import generated_source, kernel_text
 
-    program = pre_backward_lanes_program(n, 4096, "bfloat16", "sm_90", add_dx=add_dx, splits=2, consumer_groups=2)
+    program = pre_backward_lanes_program(n, 4096, "bfloat16", "sm_90", add_dx=add_dx, post_grad=post_grad, splits=2,
+                                         consumer_groups=2)
     src = kernel_text(generated_source(program, "sm_90"))
-    half = lane_tiling(n, add_dx)[0] // 2
+    half = lane_tiling(n, add_dx, post_grad)[0] // 2
     assert "__launch_bounds__(384" in src
     lines = src[src.index("for (int tb_1 "):].splitlines()
     start = next(k for k, line in enumerate(lines) if line.strip() == "if (((int)threadIdx.x) < 256) {")
@@ -686,13 +688,34 @@ def test_linked_site_with_the_post_gradient_to_pre_matches_float64(monkeypatch, 
     want = _site_truth(x, phi, bias, alpha, weight, g)
     coef_dtype = torch.float64 if backend == "reference" else torch.float32
     leaves = [x.clone().requires_grad_()] + [t.to(coef_dtype).requires_grad_() for t in (phi, bias, alpha)]
+    before = training.POST_GRADIENT_TO_PRE
     with training.post_gradient_to_pre(True):
         out = _site(backend, *leaves, weight, linked=True)
-    assert training.POST_GRADIENT_TO_PRE is False  # the flag is back; the backward keeps what the forward decided
+    assert training.POST_GRADIENT_TO_PRE is before  # the flag is back; the backward keeps what the forward decided
     got = torch.autograd.grad(out, leaves, g.to(out.dtype))
     assert calls == {"post": [False], "pre": [True]}  # no dx from the post; the pre adds H_res^T g
     for name, a, b in zip(("x", "phi", "bias", "alpha"), got, want):
         assert _relmax(a, b) < tol, name
+
+
+@pytest.mark.parametrize("n,expected", [(1, False), (2, False), (4, True), (8, False)])
+def test_post_gradient_goes_to_the_pre_by_default_where_kernel_2_has_two_warpgroups(n, expected):
+    """The default (POST_GRADIENT_TO_PRE None): the 42C path on CUDA where kernel 2 splits all n lanes between two
+    consumer warpgroups (n = 4), the 46C path elsewhere and on the CPU; the switch overrides it both ways."""
+    from types import SimpleNamespace
+
+    from mhc_lab.ops import training
+
+    cuda_lanes = SimpleNamespace(shape=(16, n, 64), device=torch.device("cuda"))  # no GPU needed to decide
+    assert training.POST_GRADIENT_TO_PRE is None
+    assert training.post_gradient_to_pre_for(cuda_lanes, "kernels") is expected
+    assert training.post_gradient_to_pre_for(cuda_lanes, "reference") is False
+    assert training.post_gradient_to_pre_for(torch.empty(16, n, 64), "kernels") is False
+    for forced in (True, False):
+        with training.post_gradient_to_pre(forced):
+            assert training.post_gradient_to_pre_for(cuda_lanes, "kernels") is forced
+            assert training.post_gradient_to_pre_for(torch.empty(16, n, 64), "kernels") is forced
+    assert training.POST_GRADIENT_TO_PRE is None
 
 
 def test_ops_gradcheck_with_the_post_gradient_to_pre():

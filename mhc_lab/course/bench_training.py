@@ -627,9 +627,10 @@ def main(argv=None) -> int:
                         "kernel 1 (part 'sweep')")
     parser.add_argument("--lane-tuning", default="", help="JSON {tuning} of the pre backward's kernel 2 for the "
                         "parts site, block and host (mhc_lab.ops.training.lane_tuning; recorded as lane_tuning)")
-    parser.add_argument("--post-grad", action="store_true", help="linked and chained sites hand the post's output "
-                        "gradient to the pre's backward, which adds H_res^T g (mhc_lab.ops.training."
-                        "post_gradient_to_pre; recorded as post_gradient_to_pre)")
+    parser.add_argument("--post-grad", choices=("on", "off"), default=None, help="on: linked and chained sites hand "
+                        "the post's output gradient to the pre's backward, which adds H_res^T g; off: the post's "
+                        "backward writes H_res^T g; default: mhc_lab.ops.training.post_gradient_to_pre_for (on at "
+                        "n = 4 on CUDA); recorded as post_gradient_to_pre when given")
     parser.add_argument("--graph-rounds", type=int, default=1, help="part 'site': time the CUDA graphs again in "
                         "this many interleaved rounds (recorded as graph_rounds_ms, with the chained site's ratio "
                         "to TileKernels per round)")
@@ -662,18 +663,20 @@ def main(argv=None) -> int:
                "copy_gbps": copy_bandwidth(bench), "site": [], "block": []}
     if tuning:
         results["lane_tuning"] = tuning
-    if args.post_grad:
-        results["post_gradient_to_pre"] = True
+    post_grad = None if args.post_grad is None else args.post_grad == "on"
+    if post_grad is not None:
+        results["post_gradient_to_pre"] = post_grad
     phases = args.coefficient_phases or COEFFICIENT_PHASES
     if args.coefficient_phases:
         results["coefficient_phases"] = phases
     print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else "")
-          + ("; the post's output gradient to the pre" if args.post_grad else "")
+          + ({True: "; the post's output gradient to the pre", False: "; the post's dx to the pre", None: ""}[
+              post_grad])
           + (f"; kernel 1 {phases}" if args.coefficient_phases else ""))
 
     @contextlib.contextmanager
     def configured():  # the options that the parts site, block and host run under
-        with lane_tuning(**tuning), post_gradient_to_pre(args.post_grad), coefficient_phases(phases):
+        with lane_tuning(**tuning), post_gradient_to_pre(post_grad), coefficient_phases(phases):
             yield
 
     def save(final=False):

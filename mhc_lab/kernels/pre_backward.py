@@ -646,8 +646,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                          f"lanes of g), so lane_group = n = {n}, got lane_group = {LG}")
     group = list(range(LG))
     CG = consumer_groups or (default_groups if lane_group is None
-                             else consumer_groups_for(LG, post_grad=post_grad, ctas_per_sm=ctas_per_sm,
-                                                      block_tokens=BT))
+                             else consumer_groups_for(LG, ctas_per_sm=ctas_per_sm, block_tokens=BT))
     if CG > 1 and not (overlap_dx and threads == 128 and ctas_per_sm == 1 and LG % CG == 0):
         raise ValueError(f"pre backward (lanes): consumer_groups = {CG} gives each of {CG} consumer warpgroups "
                          f"(128 threads each) its own lanes with overlapped waits, so it needs overlap_dx, no "
@@ -900,12 +899,13 @@ def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False, ctas_per_
       with 128-token tiles), the most lanes that fit one. Four lanes go to two warpgroups of 2
       (consumer_groups_for): 0.296 / 0.435 / 0.441 ms against one warpgroup's 0.350 / 0.498 / 0.473 (run AV).
       Without dx_post too, fewer lanes where one stage of two does not fit (n = 8 with two CTAs per SM).
-    With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit), one
-    warpgroup.
+    With post_grad every lane (each lane's dx takes all n lanes of g), 32 columns (16 past n = 4, to fit), and
+    two warpgroups at n = 4 (consumer_groups_for).
     With ctas_per_sm CTAs per SM, the lanes whose two stages fit each one's share of the SM, one warpgroup.
     consumer_groups: None for the default above, or the warpgroups asked for (1 or 2)."""
     if post_grad:
-        return n, 32 if n <= 4 else 16, 1
+        return n, 32 if n <= 4 else 16, consumer_groups or consumer_groups_for(n, ctas_per_sm=ctas_per_sm,
+                                                                              block_tokens=block_tokens)
     budget = shared_per_cta(ctas_per_sm)
     if add_dx:
         for stages in (2, 1):
@@ -925,10 +925,12 @@ def lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False, ctas_per_
     return lanes, columns, consumer_groups or 1
 
 
-def consumer_groups_for(lanes: int, *, post_grad: bool = False, ctas_per_sm: int = 1, block_tokens: int = 64) -> int:
-    """Kernel 2's consumer warpgroups by default for a CTA of `lanes` lanes: two where each gets at least two
-    lanes, with one CTA per SM, 64-token tiles and no post_grad (the measured cases, lane_tiling); else one."""
-    return 2 if lanes % 4 == 0 and ctas_per_sm == 1 and block_tokens == 64 and not post_grad else 1
+def consumer_groups_for(lanes: int, *, ctas_per_sm: int = 1, block_tokens: int = 64) -> int:
+    """Kernel 2's consumer warpgroups by default for a CTA of `lanes` lanes: two of two lanes each where it has
+    four, with one CTA per SM and 64-token tiles (the measured cases, lane_tiling); else one. With post_grad
+    (four lanes at n = 4) two took 0.381 / 0.555 / 0.536 ms against one's 0.509 / 0.760 / 0.672 at C = 2560 /
+    4096 / 7168 (run AZ, H200, 2026-11-30, the same bits)."""
+    return 2 if lanes == 4 and ctas_per_sm == 1 and block_tokens == 64 else 1
 
 
 def consumer_groups_asked(consumer_groups: int | None = None, threads: int = 128, overlap_dx: bool | None = None,

@@ -330,7 +330,7 @@ def _pre_setup_context(ctx, inputs, output):
     x, phi, bias, alpha, backend, partial_in = inputs
     _, _, res, pre, partial, _ = output
     ctx.backend = backend
-    ctx.post_grad = POST_GRADIENT_TO_PRE  # what a linked post's backward hands back through link (decided now)
+    ctx.post_grad = post_gradient_to_pre_for(x, backend)  # what a linked post's backward hands back (decided now)
     ctx.save_for_backward(x, phi, bias, alpha, pre, partial if partial_in is None else partial_in, res)
     ctx.mark_non_differentiable(pre, partial)
     # an unused output's gradient must arrive as None: materialised, the unused link would hand the backward a
@@ -510,11 +510,24 @@ CHAIN_ON_CUDA = True
 # the post) and the pre's backward reads it back and adds it to its dx (46C per chained site at n = 4). True:
 # the post's backward hands g itself back through link and writes no dx; the pre's kernel 2, which holds all
 # n lanes per CTA for it, adds H_res^T g in the pass that writes dx (42C per chained site). Decided at the
-# forward, for both ops of a site at once. Slower on the H200 (2026-11-30): chained sites 1.465 / 2.129 / 1.869
-# ms as CUDA graphs against 1.402 / 1.997 / 1.787 at 16384 x 2560, 16384 x 4096, 8192 x 7168 in the same run
-# (kernel 2 with four lanes per CTA costs more than the post's 4C of writes saved; kernel notes, version 25).
-# So off; post_gradient_to_pre(True) turns it on for a block of code.
-POST_GRADIENT_TO_PRE = False
+# forward, for both ops of a site at once. None (the default): True on CUDA where kernel 2 splits the n lanes
+# between two consumer warpgroups (n = 4, kernels.pre_backward.consumer_groups_for), False elsewhere. On the
+# H200 (2026-11-30) it was slower with one warpgroup: chained sites 1.465 / 2.129 / 1.869 ms as CUDA graphs
+# against 1.402 / 1.997 / 1.787 at 16384 x 2560, 16384 x 4096, 8192 x 7168 in the same run (kernel notes,
+# version 25). With two (version 33) it is faster: 1.071 / 1.602 / 1.463 against 1.076 / 1.655 / 1.507 (run
+# BA; run AZ 1.625 / 1.462 against 1.659 / 1.507 at the two wider shapes). post_gradient_to_pre(True / False)
+# sets it for a block of code.
+POST_GRADIENT_TO_PRE: Optional[bool] = None
+
+
+def post_gradient_to_pre_for(x: torch.Tensor, backend: str) -> bool:
+    """Whether a linked site on lanes like x hands the post's output gradient to the pre's backward
+    (POST_GRADIENT_TO_PRE, or its default where that is None)."""
+    if POST_GRADIENT_TO_PRE is not None:
+        return POST_GRADIENT_TO_PRE
+    from mhc_lab.kernels.pre_backward import consumer_groups_for
+
+    return backend == "kernels" and x.device.type == "cuda" and consumer_groups_for(x.shape[1]) == 2
 
 
 @contextlib.contextmanager
@@ -529,10 +542,11 @@ def _module_setting(name: str, value):
         globals()[name] = saved
 
 
-def post_gradient_to_pre(enabled: bool):
-    """Within this block, linked sites hand the post's output gradient to the pre's backward (enabled), which
-    adds H_res^T g to its dx, instead of the post's backward writing H_res^T g for the pre to read back."""
-    return _module_setting("POST_GRADIENT_TO_PRE", bool(enabled))
+def post_gradient_to_pre(enabled: Optional[bool]):
+    """Within this block, linked sites hand the post's output gradient to the pre's backward (True), which
+    adds H_res^T g to its dx, or the post's backward writes H_res^T g for the pre to read back (False); None:
+    the default (post_gradient_to_pre_for)."""
+    return _module_setting("POST_GRADIENT_TO_PRE", None if enabled is None else bool(enabled))
 
 
 def coefficient_phases(phases: str):
@@ -588,7 +602,7 @@ def fused_projection_applies(backend: str, x: torch.Tensor) -> bool:
 def _post_linked_setup_context(ctx, inputs, output):
     x, _, f, post, res, backend, _ = inputs
     ctx.backend = backend
-    ctx.post_grad = POST_GRADIENT_TO_PRE  # as the linked pre_forward decided it, in the same forward
+    ctx.post_grad = post_gradient_to_pre_for(x, backend)  # as the linked pre_forward decided it, in the same forward
     ctx.save_for_backward(x, f, post, res)
     ctx.mark_non_differentiable(output[1])
 
