@@ -25,14 +25,15 @@
 # step's sums kept in shared memory) and writes kernel 2's operands: dmix split into bf16 hi and lo, laid out
 # for the three products, and H_pre with 2 ds. phases="fused" (other n): a CTA owns 64 tokens, all its threads
 # stream their x and dy in [64 x 128] TMA tiles for dH_pre, then one thread per token runs the per-token
-# backward (the same macro as the C target). CUDA kernel 2: a CTA owns a block of columns of 2
-# lanes (1 for odd n; lane_tiling) for a range of token tiles; phi's columns are split into bf16 hi/lo once per
-# CTA; every operand of the token loop arrives by copies, so the loop is pipelined; each token tile runs two
-# GEMMs per lane for dx and one for the dphi partial, which stays in registers until the end.
+# backward (the same macro as the C target). CUDA kernel 2: a CTA owns a block of columns of up to 4 lanes
+# (lane_tiling), split between one or two consumer warpgroups, for a range of token tiles; phi's columns are
+# split into bf16 hi/lo once per CTA; every operand of the token loop arrives by copies, so the loop is
+# pipelined; each token tile runs two GEMMs per lane for dx and one for the dphi partial, which stays in
+# registers until the end.
 # H200, 16384 x 4096 (2026-11-30, mhc_lab/recorded/training_h200.json, sweeps): kernel 1 0.189 ms spread
-# (dH_pre 0.164, per token 0.028; fused 0.275, split 0.260), kernel 2 0.513 ms (2.35 TB/s on its 9C bytes),
-# 0.673 ms when it adds the linked site's dx_post (2.59 TB/s on 13C); docs/kernel-notes.md has the versions
-# before these and what limits them.
+# (dH_pre 0.164, per token 0.028; fused 0.275, split 0.260), kernel 2 0.321 ms (3.76 TB/s on its 9C bytes),
+# 0.435 ms when it adds the linked site's dx_post (4.0 TB/s on 13C), 0.555 ms when it adds H_res^T g (run AV,
+# AZ); docs/kernel-notes.md has the versions before these and what limits them.
 """pre backward: coefficient gradients (kernel 1), lane and phi gradients (kernel 2); CUDA or C target."""
 
 
@@ -70,6 +71,14 @@ def _present(*buffers) -> list:
     for b in buffers:
         out += [c for c in b if c is not None] if isinstance(b, list) else [] if b is None else [b]
     return out
+
+
+def lane_dx_c(x, dy, pre, dmix, extra, phi, tok, j, col, M: int, C: int):
+    """Kernel 2's dx of lane j at one token and column, float32 (C target): the projection's term
+    sum_q dmix[q] phi[q, jC + col], H_pre[j] dy and the norm's 2 ds x; without the post's gradient."""
+    return sum([dmix[tok, q] * phi[q, j * C + col] for q in range(M)],
+               pre[tok, j] * T.cast(dy[tok, col], "float32")
+               + T.float32(2) * extra[tok, 3] * T.cast(x[tok, j, col], "float32"))
 
 
 def _check(name: str, n: int, C: int, dtype: str, target: str) -> str:
@@ -563,9 +572,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     if col < C:
                         for j in T.serial(n):
                             for tok in T.serial(NT):
-                                v = sum([dmix[tok, q] * phi[q, j * C + col] for q in range(M)],
-                                        pre[tok, j] * T.cast(dy[tok, col], "float32")
-                                        + T.float32(2) * extra[tok, 3] * T.cast(x[tok, j, col], "float32"))
+                                v = lane_dx_c(x, dy, pre, dmix, extra, phi, tok, j, col, M, C)
                                 if dx_post is not None:
                                     v = v + T.cast(dx_post[tok, j, col], "float32")
                                 if g is not None:
