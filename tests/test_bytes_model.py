@@ -158,3 +158,22 @@ def test_partial_splits_are_the_kernels():
     from mhc_lab.ops.training import CHAIN_SPLITS
 
     assert bytes_model.CHAIN_PARTIAL_SPLITS == CHAIN_SPLITS
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_site_bytes_count_the_post_gradient_path(n):
+    """The training benchmark's bytes per site: at n = 4 the least design 41C, ours 58C, the linked site 50C and
+    the chained one 46C per token; with the post's output gradient handed to the pre (post_grad) the post's
+    backward writes no dx, n C fewer for the linked and chained sites only."""
+    from mhc_lab.course.bench_training import site_bytes_fwd_bwd
+
+    tokens, C = 3, 40
+    plain, handed = site_bytes_fwd_bwd(tokens, C, n), site_bytes_fwd_bwd(tokens, C, n, post_grad=True)
+    if n == 4:
+        assert [plain[f"{k}_elements_per_token"] for k in ("least", "ours", "ours_linked", "ours_chained")] == [
+            "41 C", "58 C", "50 C", "46 C"]
+        assert handed["ours_linked_elements_per_token"] == "46 C" and handed["ours_chained_elements_per_token"] == "42 C"
+    for key in ("least", "ours"):
+        assert handed[key] == plain[key]
+    for key in ("ours_linked", "ours_chained"):
+        assert plain[key] - handed[key] == tokens * n * C * 2

@@ -47,14 +47,17 @@ BLOCK_WIDTHS = (2560, 4096)
 N = 4
 
 
-def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2) -> dict:
+def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2, post_grad: bool = False) -> dict:
     """Bytes per site, forward + backward, of the lane-wide tensors (mhc_lab.course.bytes_model): the least
     any design moves (mhc_minimal: 41 C elements per token at n = 4) and what ours moves as separate ops
-    (58 C), as the linked site (50 C) and as chained sites (46 C)."""
+    (58 C), as the linked site (50 C) and as chained sites (46 C). post_grad (the linked and chained sites'
+    post hands its output gradient to the pre's kernel 2, mhc_lab.ops.training.post_gradient_to_pre): their
+    post backward writes no dx, n C fewer (46 C and 42 C at n = 4; kernel 2 reads g where it read dx_post)."""
     out = {}
     for key, method in (("least", "mhc_minimal"), ("ours", "ours"), ("ours_linked", "ours_linked"),
                         ("ours_chained", "ours_chained")):
         per_C = sum(bytes_model.total(method, n, d).moved.per_C for d in bytes_model.DIRECTIONS)
+        per_C -= n if post_grad and key in ("ours_linked", "ours_chained") else 0
         out[key] = tokens * per_C * C * itemsize
         out[f"{key}_elements_per_token"] = f"{per_C} C"
     return out
@@ -178,7 +181,9 @@ def bench_site(tokens, C, bench, *, skip=(), log=print, graph_rounds: int = 1) -
     chained site's ratio to TileKernels per round)."""
     (x, phi, bias, alpha), leaves, g = _site_operands(tokens, C)
     impls, errors, reference = _site_impls(skip)
-    out = {"tokens": tokens, "C": C, "n": N, "bytes": site_bytes_fwd_bwd(tokens, C), "times_ms": {},
+    post_grad = _training_ops.post_gradient_to_pre_for(x, "kernels")
+    out = {"tokens": tokens, "C": C, "n": N, "bytes": site_bytes_fwd_bwd(tokens, C, post_grad=post_grad),
+           "post_gradient_to_pre": post_grad, "times_ms": {},
            "graph_ms": {}, "rel_err": {}, "errors": errors}
     want = torch.autograd.grad(reference(*leaves), leaves, g)
     names = ("x", "phi", "bias", "alpha")
