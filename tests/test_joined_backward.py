@@ -75,12 +75,62 @@ def test_joined_backward_matches_float64_and_the_two_kernels_it_joins(n, C, toke
         assert (joined[name] - apart[name]).abs().max().item() / scale < 2e-6, name
 
 
-def test_joined_backward_refuses_what_is_not_built():
+def test_joined_backward_refuses_bad_input():
     from mhc_lab.kernels.joined_backward import joined_backward_program
 
-    with pytest.raises(ValueError, match=r"only the C target is built, got target 'sm_90'"):
-        joined_backward_program(4, 64, "bfloat16", "sm_90")
+    with pytest.raises(ValueError, match=r"the C target takes no tuning, got \['block_c'\]"):
+        joined_backward_program(4, 64, block_c=32)
     with pytest.raises(ValueError, match=r"expected dtype in \('float32',\), got 'bfloat16'"):
         joined_backward_program(4, 64, "bfloat16", "c")
     with pytest.raises(ValueError, match=r"n = 9"):
         joined_backward_program(9, 64)
+
+
+CUDA = torch.cuda.is_available()
+
+
+def test_joined_kernel_for_sm90_meets_at_a_named_barrier_and_stores_in_rows():
+    """The CUDA that TileLang generates for the joined kernel (no GPU or nvcc needed): the four lanes' dx GEMMs of
+    kernel 2 (three products each), no TMA store of site i's dx (it never leaves the chip), one named barrier of
+    the two consumer warpgroups per tile, site p's dx_post tiles (one per lane) and df (one) stored as 16-byte
+    vectors, and every one of the n^2 + n row sums written to coef_partial."""
+    import re
+
+    from mhc_lab.kernels.joined_backward import joined_backward_program
+    from mhc_lab.kernels.source import generated_source, kernel_text
+
+    n = 4
+    src = kernel_text(generated_source(joined_backward_program(n, 4096, "bfloat16", "sm_90", splits=2), "sm_90"))
+    assert "__launch_bounds__(384" in src and src.count("wgmma_ss<") == 3 * n
+    assert "tma_store(dx_desc" not in src and "dx_prev_desc" not in src
+    assert 1 <= src.count("__sync_thread_partial(8, 256)") <= 2
+    stores = {name: len(re.findall(rf"\*\(uint4\*\)\({name} \+", src)) for name in ("dx_prev", "df_prev")}
+    assert stores == {"dx_prev": n, "df_prev": 1}
+    offsets = {int(k) for k in re.findall(r"\(int64_t\)20\)\) - \(int64_t\)(\d+)\)\] = ", src)}
+    assert len(offsets) == n * n + n  # one store per (i, j) of dH_res and per i of dH_post
+
+
+def test_joined_kernel_refuses_what_it_cannot_join():
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+
+    with pytest.raises(ValueError, match=r"joined needs add_dx, stage_dx and two consumer warpgroups of all n lanes "
+                                         r"\(n = 4\); got add_dx = False"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", joined=True)
+    with pytest.raises(ValueError, match=r"consumer_groups = 1, lane_group = 4, n = 4"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, joined=True, consumer_groups=1)
+    with pytest.raises(ValueError, match=r"lane_group = 2, n = 2"):
+        pre_backward_lanes_program(2, 4096, "bfloat16", "sm_90", add_dx=True, joined=True)
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA joined kernel runs only there")
+@pytest.mark.parametrize("C,tokens", [(4096, 300), (136, 1), (200, 65)])
+def test_cuda_joined_kernel_gives_what_the_two_kernels_give_apart(C, tokens):
+    """On random operands (kernel 1's real outputs for site i, random lanes, f and coefficients for site p): the
+    joined kernel against kernel 2 with dx_post followed by the post backward. Site i's dx is rounded to bf16 on
+    both paths, so dx_prev and df_prev agree to bf16 rounding; the row sums differ in their order of addition."""
+    from mhc_lab.course.bench_training import sweep_pre_backward
+
+    row = sweep_pre_backward(tokens, C, lambda fn: 1.0, [{"joined": True}], log=lambda *a: None)["lanes"][0]
+    assert "error" not in row, row.get("error")
+    assert row["rel_dx_prev"] < 1e-2 and row["rel_df_prev"] < 1e-2, row
+    assert row["rel_dres"] < 1e-4 and row["rel_dpost"] < 1e-4 and row["rel_dphi"] < 1e-6, row

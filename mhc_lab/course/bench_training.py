@@ -57,7 +57,7 @@ def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2, post_
     for key, method in (("least", "mhc_minimal"), ("ours", "ours"), ("ours_linked", "ours_linked"),
                         ("ours_chained", "ours_chained")):
         per_C = sum(bytes_model.total(method, n, d).moved.per_C for d in bytes_model.DIRECTIONS)
-        per_C -= n if post_grad and key in ("ours_linked", "ours_chained") else 0
+        per_C -= bytes_model.post_gradient_saving(n) if post_grad and key in ("ours_linked", "ours_chained") else 0
         out[key] = tokens * per_C * C * itemsize
         out[f"{key}_elements_per_token"] = f"{per_C} C"
     return out
@@ -291,7 +291,9 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     outputs are compared with the first's of the same add_dx and post_grad without leave_out (a timing
     experiment's differ by design). A variant without "lane_splits" runs the token splits a site runs
     (lane_splits_for on this GPU, for the variant's lanes, columns and CTAs per SM), recorded in its row as
-    "token_splits"."""
+    "token_splits". A variant with "joined": true times the joined kernel (kernel 2 with dx_post joined with the
+    post backward of a site before, random operands of its own) against the two kernels apart, and compares
+    every output with theirs."""
     from mhc_lab.kernels.pre_backward import (
         coef_width,
         dphi_from_partial,
@@ -349,8 +351,18 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     references = {}  # the first variant's outputs, per extra operand (the linked site's kernel adds dx_post,
     # or with post_grad H_res^T g)
     dx_post, res_post = torch.randn_like(x), torch.rand((tokens, n, n), **f32)
+    previous = None  # the site before's operands and the two kernels' outputs apart, for "joined" variants
     for cfg in variants:
         row = dict(cfg)
+        if cfg.get("joined"):
+            try:
+                previous = previous or _previous_site_apart(x, dy, dsplit, coef, phi, dx_post, bench, log)
+                row.update(_time_joined(cfg, previous, x, dy, dsplit, coef, phi, dx_post, bench, log))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:400]
+                log(f"    {cfg}: FAILED {repr(e)[:300]}")
+            out["lanes"].append(row)
+            continue
         try:
             add_dx, post_grad = bool(cfg.get("add_dx", False)), bool(cfg.get("post_grad", False))
             splits = row["token_splits"] = (cfg.get("lane_splits")
@@ -378,6 +390,76 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
             log(f"    {cfg}: FAILED {repr(e)[:300]}")
         out["lanes"].append(row)
     return out
+
+
+def _previous_site_apart(x, dy, dsplit, coef, phi, dx_post, bench, log) -> dict:
+    """The site before's operands (random lanes and f, H_post, doubly stochastic-ish H_res) and what the two kernels
+    the joined one replaces give and take: kernel 2 with dx_post (its default tuning) writes dx, the post backward
+    reads it as its g."""
+    from mhc_lab.kernels.post_backward import post_backward_kernel
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, pre_backward_kernels
+
+    tokens, n, C = x.shape
+    f32 = dict(dtype=torch.float32, device=x.device)
+    gen = torch.Generator(device=x.device).manual_seed(11)
+    x_prev = torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype)
+    f_prev = torch.randn(dy.shape, generator=gen, device=x.device).to(x.dtype)
+    post_prev = torch.rand((tokens, n), generator=gen, **f32) * 2
+    res_prev = torch.softmax(torch.randn((tokens, n, n), generator=gen, **f32), -1)
+    splits = _training_ops._lane_splits(n, C, x.device, True)
+    _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", add_dx=True, lane_splits=splits)
+    dx, dphi_partial = torch.empty_like(x), torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
+    post = post_backward_kernel(n, C, "bfloat16", "cuda")
+    dx_prev, df_prev = torch.empty_like(x), torch.empty_like(dy)
+    dpost_prev, dres_prev = torch.empty((tokens, n), **f32), torch.empty((tokens, n, n), **f32)
+
+    def kernel2():
+        lanes(x, dy, dsplit, coef, phi, dx_post, dx, dphi_partial)
+
+    def post_backward():
+        post(x_prev, f_prev, dx, post_prev, res_prev, dx_prev, df_prev, dpost_prev, dres_prev)
+
+    kernel2()
+    post_backward()
+    apart = {"kernel2_ms": bench(kernel2) * 1e3, "post_backward_ms": bench(post_backward) * 1e3}
+    log(f"    apart: kernel 2 with dx_post {apart['kernel2_ms']:.3f} ms + the post backward "
+        f"{apart['post_backward_ms']:.3f} ms")
+    return {"operands": (x_prev, f_prev, post_prev, res_prev), "timings": apart,
+            "outputs": {"dx_prev": dx_prev, "df_prev": df_prev, "dres": dres_prev, "dpost": dpost_prev,
+                        "dphi": dphi_from_partial(dphi_partial, n)}}
+
+
+def _time_joined(cfg, previous, x, dy, dsplit, coef, phi, dx_post, bench, log) -> dict:
+    """The joined kernel (kernel 2 of this site with the post backward of the site before) timed alone, its
+    outputs compared with the two kernels' apart (previous)."""
+    from mhc_lab.kernels.joined_backward import coefficients_from_partial
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, lane_tiling, pre_backward_kernels
+
+    tokens, n, C = x.shape
+    f32 = dict(dtype=torch.float32, device=x.device)
+    row = {**previous["timings"], "token_splits": _training_ops._lane_splits(n, C, x.device, True, tiling=cfg)}
+    tuning = {k: v for k, v in hashable_tuning(cfg).items() if k not in ("joined", "add_dx")}
+    _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", add_dx=True, lane_splits=row["token_splits"],
+                                    joined=True, **tuning)
+    block_c = cfg.get("block_c") or lane_tiling(n, add_dx=True)[1]  # coef_partial's column blocks
+    dx_prev, df_prev = torch.empty_like(x), torch.empty_like(dy)
+    dphi_partial = torch.empty((row["token_splits"], 2 * gemm_depth(n), n * C), **f32)
+    coef_partial = torch.empty((tokens, -(-C // block_c), n * n + n), **f32)
+    args = (x, dy, dsplit, coef, phi, dx_post, *previous["operands"], dx_prev, df_prev, dphi_partial, coef_partial)
+    lanes(*args)
+    dres, dpost = coefficients_from_partial(coef_partial, n)
+    got = {"dx_prev": dx_prev, "df_prev": df_prev, "dres": dres, "dpost": dpost,
+           "dphi": dphi_from_partial(dphi_partial, n)}
+    for name, want in previous["outputs"].items():
+        row[f"rel_{name}"] = _rel(got[name], want)
+    row["ms"] = bench(lambda: lanes(*args)) * 1e3
+    row["sums_ms"] = bench(lambda: coefficients_from_partial(coef_partial, n)) * 1e3
+    row["gbps_19C"] = tokens * 19 * C * 2 / (row["ms"] * 1e-3) / 1e9
+    apart = row["kernel2_ms"] + row["post_backward_ms"]
+    log(f"    {cfg}: {row['ms']:.3f} ms (+ {row['sums_ms']:.3f} for the row sums) against {apart:.3f} apart, "
+        f"{row['gbps_19C']:.0f} GB/s on 19C; vs apart: "
+        + " ".join(f"{k} {row[f'rel_{k}']:.1e}" for k in previous["outputs"]))
+    return row
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -260,6 +260,13 @@ def _implementation_rows(method: str, n: int, direction: str, iterations: int) -
     return rows_
 
 
+def post_gradient_saving(n: int) -> int:
+    """Lane-wide elements per token (units of C) that a linked or chained site saves when its post hands its
+    output gradient to the pre's backward (mhc_lab.ops.training.post_gradient_to_pre): the post's backward
+    writes no dx (n C), and the pre's kernel 2 reads g where it read dx_post (the same n C) with H_res."""
+    return _require_n(n)
+
+
 # ---- public API ------------------------------------------------------------------------------------------
 
 

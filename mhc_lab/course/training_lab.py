@@ -132,11 +132,18 @@ def bytes_table(n: int, C: int, itemsize: int = 2) -> str:
 def designs_table(n: int) -> str:
     """Lane-wide elements per token of one site, forward and backward, for this course's three ways of running
     the kernels and for the least design (mhc_lab.course.bytes_model)."""
-    lines = [f"{'design':<42}{'forward':>9}{'backward':>10}{'total':>8}"]
+    width = 58
+    lines = [f"{'design':<{width}}{'forward':>9}{'backward':>10}{'total':>8}"]
+
+    def line(label, forward, backward):
+        lines.append(f"{label:<{width}}{f'{forward}C':>9}{f'{backward}C':>10}{f'{forward + backward}C':>8}")
+
     for method in bytes_model.IMPLEMENTATIONS + ("mhc_minimal",):
         forward, backward = (bytes_model.total(method, n, d).moved.per_C for d in bytes_model.DIRECTIONS)
-        lines.append(f"{bytes_model.LABELS[method]:<42}{f'{forward}C':>9}{f'{backward}C':>10}"
-                     f"{f'{forward + backward}C':>8}")
+        line(bytes_model.LABELS[method], forward, backward)
+        if method == "ours_chained":  # the same with the post's output gradient handed to the pre
+            line("  ... the post's gradient to the pre (CUDA, n = 4)", forward,
+                 backward - bytes_model.post_gradient_saving(n))
     return "\n".join(lines)
 
 

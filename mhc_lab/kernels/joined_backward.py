@@ -13,8 +13,11 @@
 # (14C), writes dx_prev, df_prev (5C), against 13C + 14C for the two kernels apart: 8C fewer, less the partial
 # sums (n^2 + n floats per token and column block). docs/kernel-notes.md, section 7, has the arithmetic.
 #
-# C target only so far (the semantics and their tests); the CUDA kernel is not built yet.
-"""joined backward: kernel 2 of a site's pre backward with the previous site's post backward (C target)."""
+# The C target is this file's program; on CUDA the joined kernel is kernel 2's program with joined=True
+# (pre_backward.pre_backward_lanes_program: the add_dx kernel with two consumer warpgroups of all four lanes and
+# an epilogue after a named barrier), which takes kernel 1's CUDA outputs as kernel 2 does. Built for sm_90, not
+# yet run on a GPU.
+"""joined backward: kernel 2 of a site's pre backward with the previous site's post backward."""
 
 
 import tilelang.language as T
@@ -27,7 +30,7 @@ from mhc_lab.kernels._target import (
     check_target_dtype,
     compile_program,
 )
-from mhc_lab.kernels.pre_backward import EXTRA, lane_dx_c
+from mhc_lab.kernels.pre_backward import EXTRA, lane_dx_c, pre_backward_lanes_program
 
 BLOCK_C = 8  # columns per program instance on the C target (the partial sums' blocks)
 
@@ -37,16 +40,20 @@ def coef_blocks(C: int) -> int:
     return ceil_div(C, BLOCK_C)
 
 
-def joined_backward_program(n: int, C: int, dtype: str = "float32", target: str = "c"):
+def joined_backward_program(n: int, C: int, dtype: str = "float32", target: str = "c", **cuda_tuning):
     """Arguments at run time (T dynamic; float32): site i's x [T, n, C], dy [T, C], pre [T, n], dmix [T, n^2+2n],
     extra [T, 4] and phi [n^2+2n, nC] (kernel 1's outputs, as kernel 2 takes them on the C target), dx_post
     [T, n, C] (site i's own post gradient of its lanes); site p's x_prev [T, n, C], f_prev [T, C], post_prev
     [T, n], res_prev [T, n, n]; then the outputs dx_prev [T, n, C], df_prev [T, C], dphi_partial [1, n^2+2n,
     nC] (site i's dphi) and coef_partial [T, coef_blocks(C), n^2 + n] (site p's dH_res, then dH_post, per
-    column block)."""
+    column block). On CUDA: pre_backward_lanes_program(n, C, dtype, target, add_dx=True, joined=True,
+    **cuda_tuning), whose arguments are kernel 2's (kernel 1's CUDA outputs dsplit and coef in place of pre, dmix
+    and extra)."""
     check_lanes_and_width("joined backward", n, C, max_lanes=8)
     if canonical_target(target) != "c":
-        raise ValueError(f"joined backward: only the C target is built, got target {target!r}")
+        return pre_backward_lanes_program(n, C, dtype, target, add_dx=True, joined=True, **cuda_tuning)
+    if cuda_tuning:
+        raise ValueError(f"joined backward: the C target takes no tuning, got {sorted(cuda_tuning)}")
     check_target_dtype("joined backward", dtype, target, ())
     M, K, NQ, NB = mixes_width(n), n * C, n * n + n, coef_blocks(C)
     NT = T.dynamic("T")

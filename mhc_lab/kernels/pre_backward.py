@@ -466,7 +466,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
                                dy_once: bool | None = None, consumer_groups: int | None = None,
-                               leave_out: tuple = ()):
+                               joined: bool = False, leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -546,6 +546,19 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     0.441 ms against 0.350 / 0.498 / 0.473 at C = 2560 / 4096 / 7168, without it (4 lanes per CTA instead of
     2) 0.212 / 0.321 / 0.358 against 0.263 / 0.386 / 0.377 (run AV, H200, 2026-11-30; dx and dphi the same bit
     for bit as one warpgroup's, dphi within 1.2e-5 where the token splits differ).
+
+    joined (CUDA; built, not yet run on a GPU): kernel 2 joined with the post backward of the site before this
+    one (kernels/joined_backward.py has the C target and the formulas). Needs add_dx, stage_dx and two consumer
+    warpgroups of all n lanes (n = 4). Each warpgroup writes its lanes' dx tiles into one shared buffer of all
+    lanes and stores none of them; after a named barrier of the two warpgroups each takes from the four tiles,
+    for its own lanes j, the previous site's dx_post H_res_p^T dx (16-byte stores, a quad of threads per 64-byte
+    row) and the row sums of dx_i x_p,j over the block's columns (dH_res_p's partials); the first warpgroup also
+    df_p = H_post_p . dx, the second the row sums of dx_i f_p (dH_post_p's). The pipeline keeps a copy of the dx
+    buffer per stage, so one barrier per tile orders the two warpgroups' writes and reads. Extra arguments after
+    dx_post: x_prev [T, n, C], f_prev [T, C], post_prev [T, n] f32, res_prev [T, n, n] f32; outputs dx_prev
+    [T, n, C], df_prev [T, C], dphi_partial, coef_partial [T, ceil(C / block_c), n^2 + n] f32 (dH_res_p, then
+    dH_post_p). Written to the lanes' dx tiles (BT x BC) one element per thread in the accumulator's layout,
+    and compiled for sm_90 with 168 registers, no spills, 219136 bytes of shared memory in two stages.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -660,11 +673,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                          f"leave_out, threads = 128, ctas_per_sm = 1 and lanes per CTA divisible by {CG}; got "
                          f"overlap_dx = {overlap_dx}, threads = {threads}, ctas_per_sm = {ctas_per_sm}, "
                          f"lane_group = {LG}")
+    if joined and not (add_dx and CG == 2 and LG == n and n == 4 and stage_dx):
+        raise ValueError(f"pre backward (lanes): joined needs add_dx, stage_dx and two consumer warpgroups of all n "
+                         f"lanes (n = 4); got add_dx = {add_dx}, stage_dx = {stage_dx}, consumer_groups = {CG}, "
+                         f"lane_group = {LG}, n = {n}")
     # each consumer warpgroup's lanes (all of them in one group)
     group_lanes = [group[k * (LG // CG) : (k + 1) * (LG // CG)] for k in range(CG)]
-    stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad, ctas_per_sm, stage_dx)
+    stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad, ctas_per_sm, stage_dx, joined)
     CP = coef_width(n)
-    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad, stage_dx)
+    smem = lanes_shared_bytes(n, LG, BT, BC, stages, add_dx, post_grad, stage_dx, joined)
     budget = shared_per_cta(ctas_per_sm)
     if smem > budget:
         raise ValueError(f"pre backward (lanes): {LG} lanes x {BC} columns x {BT} tokens in {stages} stages "
@@ -697,8 +714,13 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 v = v + T.cast(dp_j[tt, c], "float32")
             if gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA)
                 v = v + sum([res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32") for i in lanes])
-            dxf[tt, c] = T.cast(v, dtype)
-        if dx_s is None:
+            if joined:  # all lanes' dx in one buffer, for the joined epilogue; never stored
+                dx_s[j, tt, c] = T.cast(v, dtype)
+            else:
+                dxf[tt, c] = T.cast(v, dtype)
+        if joined:
+            pass  # dx stays in shared memory for the joined epilogue
+        elif dx_s is None:
             T.copy(dxf, dx_tile)
         else:  # through shared memory and a TMA store, which writes whole rows
             if T.shuffle_elect(threads):  # this buffer's store from the tile before has read it
@@ -720,7 +742,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             else:
                 T.wait_wgmma(0)
             T.warpgroup_fence_operand(accs[jj], num_regs=BT * BC // threads)  # one thread's share
-            dx_epilogue(accs[jj], lg * LG + jj, xs[jj], dy_src, coef_s, dps[jj], gs, res_s, dxf, dx_stage[jj],
+            dx_epilogue(accs[jj], lg * LG + jj, xs[jj], dy_src, coef_s, dps[jj], gs, res_s, dxf,
+                        dx_stage if joined else dx_stage[jj],
                         dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
             T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True, annotations=ASYNC)
         T.wait_wgmma(0)
@@ -753,8 +776,44 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 if c0 + c < C:
                     dphi_partial[s, k, j * C + c0 + c] = acc_phi[jj][k, c]
 
+    JOIN_BARRIER = 8  # the named barrier of the two consumer warpgroups (joined)
+    NB = -(-C // BC)  # column blocks: coef_partial's second axis (joined)
+
     @T.macro
-    def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial):
+    def row_sums(dxs, i, b, frag, red, t0, coef_partial, bc, q):
+        # coef_partial[t, bc, q] = sum over the block's columns of dx_i * b (one partial per column block)
+        for tt, c in T.Parallel(BT, BC):
+            frag[tt, c] = T.cast(dxs[i, tt, c], "float32") * T.cast(b[tt, c], "float32")
+        T.reduce_sum(frag, red, dim=1)
+        for tt in T.Parallel(BT):
+            if t0 + tt < NT:
+                coef_partial[t0 + tt, bc, q] = red[tt]
+
+    @T.macro
+    def joined_work(k, t0, bc, c0, dx_stage, xps, fps, postp_s, resp_s, frag, out, red, dx_prev, df_prev,
+                    coef_partial):
+        # consumer group k, after both have staged their lanes' dx tiles: for its own lanes j the previous
+        # site's dx_post (H_res_p^T dx) and dH_res_p's row sums (dx_i . x_p,j); the first group also df_p, the
+        # second dH_post_p's row sums (dx_i . f_p)
+        for jj in group_lanes[k]:
+            for tt, c in T.Parallel(BT, BC):
+                out[tt, c] = T.cast(sum([resp_s[tt, i, jj] * T.cast(dx_stage[i, tt, c], "float32") for i in lanes]),
+                                    dtype)
+            T.copy(out, dx_prev[t0 : t0 + BT, jj, c0 : c0 + BC])
+            for i in lanes:
+                row_sums(dx_stage, i, xps[jj], frag, red, t0, coef_partial, bc, i * n + jj)
+        if k == 0:
+            for tt, c in T.Parallel(BT, BC):
+                out[tt, c] = T.cast(sum([postp_s[tt, i] * T.cast(dx_stage[i, tt, c], "float32") for i in lanes]),
+                                    dtype)
+            T.copy(out, df_prev[t0 : t0 + BT, c0 : c0 + BC])
+        else:
+            for i in lanes:
+                row_sums(dx_stage, i, fps, frag, red, t0, coef_partial, bc, n * n + i)
+
+    @T.macro
+    def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial, x_prev, f_prev, post_prev, res_prev,
+             df_prev, coef_partial):
         with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=threads * CG) as (bc, lg, s):
             if ctas_per_sm > 1:  # registers for that many CTAs: no warpgroup register reallocation
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
@@ -777,10 +836,19 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             res_s = T.alloc_shared((BT, n, n), "float32") if g is not None else None
             acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
             keep = T.alloc_local((1,), "float32") if overlap_dx else None
-            dx_stage = [T.alloc_shared((BT, BC), dtype) if stage_dx else None for _ in group]
+            dx_stage = (T.alloc_shared((LG, BT, BC), dtype) if joined  # all lanes' dx, for the joined epilogue
+                        else [T.alloc_shared((BT, BC), dtype) if stage_dx else None for _ in group])
             # dy_once: the tile's dy read once into registers for all its lanes (the epilogue's dy is
             # _present(dy_held, dys)[0]: dy_held where it exists, else the shared tile)
             dy_helds = [T.alloc_fragment((BT, BC), "float32") if dy_once else None for _ in range(CG)]
+            if joined:  # the previous site's lanes, f and coefficients; each group's products, outputs and sums
+                xps = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
+                fps = T.alloc_shared((BT, BC), dtype)
+                postp_s = T.alloc_shared((BT, n), "float32")
+                resp_s = T.alloc_shared((BT, n, n), "float32")
+                jfrags = [T.alloc_fragment((BT, BC), "float32") for _ in range(CG)]
+                jouts = [T.alloc_fragment((BT, BC), dtype) for _ in range(CG)]
+                jreds = [T.alloc_fragment((BT,), "float32") for _ in range(CG)]
             tx = T.get_thread_binding()  # the consumer warpgroup: tx < 128 is the first (consumer numbering)
             if swizzle_epilogue:  # the epilogue's tiles that no GEMM reads, in the GEMM tiles' swizzle
                 T.annotate_layout({b: make_swizzled_layout(b) for b in _present(dys, gs, dps)})
@@ -824,12 +892,30 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         T.copy(g[t0 : t0 + BT, i, c0 : c0 + BC], gs[i])
                     T.copy(res[t0 : t0 + BT, 0:n, 0:n], res_s)
                 T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
+                if joined:
+                    for i in lanes:
+                        T.copy(x_prev[t0 : t0 + BT, i, c0 : c0 + BC], xps[i])
+                    T.copy(f_prev[t0 : t0 + BT, c0 : c0 + BC], fps)
+                    T.copy(post_prev[t0 : t0 + BT, 0:n], postp_s)
+                    T.copy(res_prev[t0 : t0 + BT, 0:n, 0:n], resp_s)
                 operands = (a_dx, a_l0, a_hl, phi_s, xs, coef_s, dps, gs, res_s, dx_stage, dx)
                 if CG > 1:  # each consumer warpgroup its own lanes, held dy and dx fragments
                     if tx < 128:
                         group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
                     else:
                         group_work(1, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
+                    if joined:  # both groups' dx tiles staged, then each takes its share (a second barrier orders
+                        # the next tile's writes after these reads; with a copy of the buffer per stage TileLang
+                        # keeps one of the two)
+                        T.sync_threads(JOIN_BARRIER, 2 * threads)
+                        joined_operands = (dx_stage, xps, fps, postp_s, resp_s)
+                        if tx < 128:
+                            joined_work(0, t0, bc, c0, *joined_operands, jfrags[0], jouts[0], jreds[0], dx, df_prev,
+                                        coef_partial)
+                        else:
+                            joined_work(1, t0, bc, c0, *joined_operands, jfrags[1], jouts[1], jreds[1], dx, df_prev,
+                                        coef_partial)
+                        T.sync_threads(JOIN_BARRIER, 2 * threads)
                 elif overlap_dx:
                     group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
                 else:
@@ -851,6 +937,22 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             else:
                 lanes_tail(group, lg, c0, s, acc_phi, dphi_partial)
 
+    if joined:
+
+        @T.prim_func
+        def lanes_backward_cuda_joined(
+            x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), dsplit: T.Tensor((NT, 3, K2), "bfloat16"),
+            coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"),
+            dx_post: T.Tensor((NT, n, C), dtype), x_prev: T.Tensor((NT, n, C), dtype), f_prev: T.Tensor((NT, C), dtype),
+            post_prev: T.Tensor((NT, n), "float32"), res_prev: T.Tensor((NT, n, n), "float32"),
+            dx_prev: T.Tensor((NT, n, C), dtype), df_prev: T.Tensor((NT, C), dtype),
+            dphi_partial: T.Tensor((S, K2, K), "float32"), coef_partial: T.Tensor((NT, NB, n * n + n), "float32"),
+        ):
+            body(x, dy, dsplit, coef, phi, dx_post, None, None, dx_prev, dphi_partial, x_prev, f_prev, post_prev,
+                 res_prev, df_prev, coef_partial)
+
+        return lanes_backward_cuda_joined
+
     if add_dx:
 
         @T.prim_func
@@ -860,7 +962,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             dx_post: T.Tensor((NT, n, C), dtype),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
         ):
-            body(x, dy, dsplit, coef, phi, dx_post, None, None, dx, dphi_partial)
+            body(x, dy, dsplit, coef, phi, dx_post, None, None, dx, dphi_partial, None, None, None, None, None, None)
 
         return lanes_backward_cuda_add
 
@@ -873,7 +975,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             g: T.Tensor((NT, n, C), dtype), res: T.Tensor((NT, n, n), "float32"),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
         ):
-            body(x, dy, dsplit, coef, phi, None, g, res, dx, dphi_partial)
+            body(x, dy, dsplit, coef, phi, None, g, res, dx, dphi_partial, None, None, None, None, None, None)
 
         return lanes_backward_cuda_post_grad
 
@@ -883,7 +985,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         coef: T.Tensor((NT, CP), "float32"), phi: T.Tensor((M, K), "float32"),
         dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((S, K2, K), "float32"),
     ):
-        body(x, dy, dsplit, coef, phi, None, None, None, dx, dphi_partial)
+        body(x, dy, dsplit, coef, phi, None, None, None, dx, dphi_partial, None, None, None, None, None, None)
 
     return lanes_backward_cuda
 
@@ -950,28 +1052,33 @@ def consumer_groups_asked(consumer_groups: int | None = None, threads: int = 128
 
 
 def lane_stages(n: int, lanes: int, block_tokens: int, block_c: int, add_dx: bool, post_grad: bool = False,
-                ctas_per_sm: int = 1, stage_dx: bool = True) -> int:
+                ctas_per_sm: int = 1, stage_dx: bool = True, joined: bool = False) -> int:
     """Kernel 2's pipeline depth on CUDA: the most stages whose tiles fit in shared memory (each CTA's share
     when ctas_per_sm must fit on an SM), up to 3 with dx_post or g and 2 without (lane_tiling's measurements;
     n = 8 with dx_post fits 2)."""
     for stages in range(3 if add_dx or post_grad else 2, 1, -1):
-        if (lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx, post_grad, stage_dx)
+        if (lanes_shared_bytes(n, lanes, block_tokens, block_c, stages, add_dx, post_grad, stage_dx, joined)
                 <= shared_per_cta(ctas_per_sm)):
             return stages
     return 1
 
 
 def lanes_shared_bytes(n: int, lanes: int, block_tokens: int, block_c: int, stages: int, add_dx: bool,
-                       post_grad: bool = False, stage_dx: bool = True) -> int:
+                       post_grad: bool = False, stage_dx: bool = True, joined: bool = False) -> int:
     """Shared memory of kernel 2 on CUDA, at most: phi's columns, (stage_dx) each lane's dx tile on its way
     out; per stage the three dmix operands, the coefficients, the lanes' x tiles, the dy tile and (add_dx) the
-    lanes' dx_post tiles or (post_grad) the n lanes' g tiles and the tokens' H_res."""
+    lanes' dx_post tiles or (post_grad) the n lanes' g tiles and the tokens' H_res; (joined) per stage the
+    previous site's lanes, f, H_post and H_res, and the dx tiles once per stage."""
     k2 = 2 * gemm_depth(n)
-    staged = (3 * block_tokens * k2 * 2 + block_tokens * coef_width(n) * 4
-              + (lanes * (2 if add_dx else 1) + 1) * block_tokens * block_c * 2)
+    tile = block_tokens * block_c * 2
+    staged = 3 * block_tokens * k2 * 2 + block_tokens * coef_width(n) * 4 + (lanes * (2 if add_dx else 1) + 1) * tile
     if post_grad:
-        staged += n * block_tokens * block_c * 2 + block_tokens * n * n * 4
-    return lanes * k2 * block_c * 2 + (lanes * block_tokens * block_c * 2 if stage_dx else 0) + stages * staged
+        staged += n * tile + block_tokens * n * n * 4
+    if joined:
+        staged += (n + 1) * tile + block_tokens * (n * n + n) * 4
+    # the lanes' dx tiles on their way out; joined: kept for the joined epilogue, a copy per stage
+    staged_dx = lanes * tile * (stages if joined else 1) if stage_dx else 0
+    return lanes * k2 * block_c * 2 + staged_dx + stages * staged
 
 
 def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad: bool = False,
