@@ -170,3 +170,16 @@ def test_lane_mix_program_refuses_what_it_cannot_build():
         training_lab.lane_mix_program(9, 64, True)
     with pytest.raises(ValueError, match=r"expected C a positive multiple of block_c = 64, got C = 100"):
         training_lab.lane_mix_program(4, 100, True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_designs_table_gives_the_chained_site_with_and_without_the_post_gradient_handed(n):
+    """The chained site's row and, under it, the same with the post's output gradient handed to the pre (its
+    backward writes no dx: n C fewer in the backward, the forward the same); 46C and 42C at n = 4."""
+    rows = training_lab.designs_table(n).splitlines()
+    at = next(k for k, line in enumerate(rows) if line.startswith("ours: run_sites"))
+    assert "output gradient to the pre" in rows[at + 1]
+    chained, handed = ([int(v[:-1]) for v in rows[k].split()[-3:]] for k in (at, at + 1))
+    assert handed == [chained[0], chained[1] - n, chained[2] - n]
+    if n == 4:
+        assert (chained[2], handed[2]) == (46, 42)

@@ -142,7 +142,7 @@ def designs_table(n: int) -> str:
         forward, backward = (bytes_model.total(method, n, d).moved.per_C for d in bytes_model.DIRECTIONS)
         line(bytes_model.LABELS[method], forward, backward)
         if method == "ours_chained":  # the same with the post's output gradient handed to the pre
-            line("  ... the post's gradient to the pre (CUDA, n = 4)", forward,
+            line("  ... the post's output gradient to the pre", forward,
                  backward - bytes_model.post_gradient_saving(n))
     return "\n".join(lines)
 
