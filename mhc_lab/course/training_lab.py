@@ -95,6 +95,73 @@ def relative_errors(got: dict, reference: dict) -> dict:
             for k in reference}
 
 
+# ---- two sites' backward in one pass (the joined kernel, C target) ------------------------------------------
+
+JOINED_NAMES = ("dx_prev", "df_prev", "dres", "dpost", "dphi")
+
+
+def joined_operands(n: int, C: int, tokens: int, seed: int = 0) -> dict:
+    """Random float64 operands of the joined backward: site i's lanes, dy, kernel 1's outputs (pre, dmix, extra),
+    phi and dx_post; site p's lanes, f, H_post and (row-stochastic) H_res."""
+    from mhc_lab.reference.mhc import mixes_width
+
+    gen, m = torch.Generator().manual_seed(seed), mixes_width(n)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    return {"x": rand(tokens, n, C), "dy": rand(tokens, C), "pre": rand(tokens, n), "dmix": rand(tokens, m),
+            "extra": rand(tokens, 4), "phi": rand(m, n * C) / (n * C) ** 0.5, "dx_post": rand(tokens, n, C),
+            "x_prev": rand(tokens, n, C), "f_prev": rand(tokens, C), "post_prev": rand(tokens, n),
+            "res_prev": torch.softmax(rand(tokens, n, n), -1)}
+
+
+def joined_outputs(o: dict, joined: bool) -> dict:
+    """Site p's dx_post (dx_prev), df, dH_res, dH_post and site i's dphi from the C-target kernels in float32:
+    the joined kernel (joined), or kernel 2 writing site i's dx and the post backward reading it back."""
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.joined_backward import coef_blocks, coefficients_from_partial, joined_backward_kernel
+    from mhc_lab.kernels.post_backward import post_backward_kernel
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+    from mhc_lab.reference.mhc import mixes_width
+
+    f32 = {k: v.float().contiguous() for k, v in o.items()}
+    tokens, n, C = o["x"].shape
+    site = [f32[k] for k in ("x", "dy", "pre", "dmix", "extra", "phi", "dx_post")]
+    dx_prev, df_prev, dphi = torch.empty(tokens, n, C), torch.empty(tokens, C), torch.empty(1, mixes_width(n), n * C)
+    if joined:
+        coef = torch.empty(tokens, coef_blocks(C), n * n + n)
+        joined_backward_kernel(n, C)(*site, *(f32[k] for k in ("x_prev", "f_prev", "post_prev", "res_prev")),
+                                     dx_prev, df_prev, dphi, coef)
+        dres, dpost = coefficients_from_partial(coef, n)
+    else:
+        dx, dpost, dres = torch.empty(tokens, n, C), torch.empty(tokens, n), torch.empty(tokens, n, n)
+        compile_program(pre_backward_lanes_program(n, C, "float32", "c", add_dx=True), "c")(*site, dx, dphi)
+        post_backward_kernel(n, C, "float32", "c")(f32["x_prev"], f32["f_prev"], dx, f32["post_prev"],
+                                                   f32["res_prev"], dx_prev, df_prev, dpost, dres)
+    return dict(zip(JOINED_NAMES, (dx_prev, df_prev, dres, dpost, dphi[0])))
+
+
+def joined_table(n: int, C: int, tokens: int, seed: int = 0) -> str:
+    """The joined kernel against the two it joins, on the CPU (C target), and the lane-wide elements each way
+    moves per token (bf16 on a GPU; the partial sums of dH_res and dH_post, n^2 + n floats per token and column
+    block, are left out)."""
+    o = joined_operands(n, C, tokens, seed)
+    one, two = joined_outputs(o, True), joined_outputs(o, False)
+    errors = relative_errors(one, two)
+    lines = [f"n = {n}, C = {C}, {tokens} tokens: joined against apart, relative difference < 1e-6: "
+             + ", ".join(f"{k} {errors[k] < 1e-6}" for k in JOINED_NAMES)]
+    # (read, written): kernel 2 reads x, dy, dx_post and writes dx; the post backward reads that dx as g, with
+    # site p's x and f, and writes site p's dx_post and df; joined, the five inputs in and the two outputs out
+    apart = (2 * n + 1, n), (2 * n + 1, n + 1)
+    joined = (3 * n + 2, n + 1)
+    total_apart = sum(r + w for r, w in apart)
+    lines.append(f"apart: kernel 2 {sum(apart[0])}C + post backward {sum(apart[1])}C = {total_apart}C per token; "
+                 f"joined: {sum(joined)}C ({total_apart - sum(joined)}C fewer: site i's dx neither written nor "
+                 "read back)")
+    return "\n".join(lines)
+
+
 # ---- bytes of each pass, per token (units of C elements) ----------------------------------------------------
 
 # (read, written) lane-wide elements per token and site, in units of C, for n lanes. Each tensor is read once and
