@@ -751,12 +751,12 @@ def test_pre_backward_takes_the_links_gradient_only_from_a_linked_site(monkeypat
     assert seen == [linked]
 
 
-def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
-    """run_sites against sites that each project for themselves: the largest relative difference over the
-    output and every gradient; asserts that every pre but the first took its partial_in."""
+def _chain_of_sites(backend, dtype, n, C, device="cpu"):
+    """Three layers and their MHCConnections (phi drawn away from its identity init), lanes [2, 3, n, C] and an
+    upstream gradient, the same in every process."""
     from mhc_lab.ops import training
 
-    torch.manual_seed(1)  # the layers' and connections' initial weights: the same in every process
+    torch.manual_seed(1)  # the layers' and connections' initial weights
     layers = [_Layer(C).to(device, dtype) for _ in range(3)]
     connections = [training.MHCConnection(n, C, backend=backend).to(
         device, dtype if backend == "reference" else torch.float32) for _ in layers]
@@ -765,6 +765,15 @@ def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
             c.phi.normal_(0, 0.3)
     x = torch.randn(2, 3, n, C, dtype=dtype, generator=torch.Generator().manual_seed(2)).to(device)
     upstream = torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(3)).to(device)
+    return layers, connections, x, upstream
+
+
+def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
+    """run_sites against sites that each project for themselves: the largest relative difference over the
+    output and every gradient; asserts that every pre but the first took its partial_in."""
+    from mhc_lab.ops import training
+
+    layers, connections, x, upstream = _chain_of_sites(backend, dtype, n, C, device)
     params = [p for c in connections for p in c.parameters()]
 
     def grads(run):
@@ -810,6 +819,53 @@ def test_cuda_chained_sites_match_unchained_sites(monkeypatch, n, C):
 
     with training.chaining_on_cuda(True):
         assert _chained_against_unchained(monkeypatch, "kernels", torch.bfloat16, n, C, device="cuda") < 2e-2
+
+
+def _chain_against_joined(monkeypatch, backend, dtype, n, C, device="cpu") -> float:
+    """run_sites as it is against run_sites with each post and the next pre as one op (join_sites_backward):
+    the largest relative difference over the output and every gradient; asserts that both boundaries of the
+    three sites ran joined_backward, and with the joined kernel where it applies."""
+    from mhc_lab.ops import training
+
+    layers, connections, x, upstream = _chain_of_sites(backend, dtype, n, C, device)
+    params = [p for c in connections for p in c.parameters()] + [p for layer in layers for p in layer.parameters()]
+
+    def grads():
+        leaf = x.clone().requires_grad_()
+        out = training.run_sites(leaf, connections, layers)
+        return (out.detach(), *torch.autograd.grad(out, [leaf, *params], upstream))
+
+    calls = []
+    real = training.joined_backward
+
+    def spy(*args):
+        calls.append(training.joined_kernel_applies(args[-1], args[0]))
+        return real(*args)
+
+    want = grads()
+    monkeypatch.setattr(training, "joined_backward", spy)
+    with training.join_sites_backward(True):
+        got = grads()
+    assert training.JOIN_SITES_BACKWARD is False
+    assert calls == [backend == "kernels"] * 2
+    return max(((a.double() - b.double()).abs().max() / b.double().abs().max()).item() for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("backend,dtype,tol", [("reference", torch.float64, 1e-12), ("kernels", torch.float32, 2e-5),
+                                               ("kernels", torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("n,C", [(4, 8), (2, 5), (1, 3), (8, 4)])
+def test_joined_sites_match_the_chain_of_sites(monkeypatch, backend, dtype, tol, n, C):
+    """join_sites_backward: the same output and gradients (lanes, every connection's and layer's parameters) as
+    run_sites without it. With bf16 lanes the joined kernel keeps the lanes' gradient between two sites in
+    float32 where the two kernels apart round it to bf16 on its way through memory."""
+    assert _chain_against_joined(monkeypatch, backend, dtype, n, C) < tol
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA joined kernel runs only there")
+@pytest.mark.parametrize("n,C", [(4, 4096), (4, 136), (2, 40)])
+def test_cuda_joined_sites_match_the_chain_of_sites(monkeypatch, n, C):
+    """The same on CUDA with bf16 lanes (the joined kernel at n = 4, the two kernels apart elsewhere)."""
+    assert _chain_against_joined(monkeypatch, "kernels", torch.bfloat16, n, C, device="cuda") < 2e-2
 
 
 def test_chained_partials_have_their_own_split_count():

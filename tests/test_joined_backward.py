@@ -90,3 +90,28 @@ def test_cuda_joined_kernel_gives_what_the_two_kernels_give_apart(C, tokens):
     assert "error" not in row, row.get("error")
     assert row["rel_dx_prev"] < 1e-2 and row["rel_df_prev"] < 1e-2, row
     assert row["rel_dres"] < 1e-4 and row["rel_dpost"] < 1e-4 and row["rel_dphi"] < 1e-6, row
+
+
+def test_joined_sites_run_under_torch_compile():
+    """boundary_forward and joined_backward are custom ops with fake implementations: torch.compile around a
+    joined chain gives the eager chain's output and gradient (C target, float32)."""
+    from mhc_lab.ops import training
+
+    torch.manual_seed(0)
+    n, C = 4, 8
+    layers = [torch.nn.Sequential(torch.nn.Linear(C, C), torch.nn.Tanh()) for _ in range(3)]
+    connections = [training.MHCConnection(n, C, backend="kernels") for _ in layers]
+    x = torch.randn(2, 3, n, C, generator=torch.Generator().manual_seed(4))
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+
+    def run(h):
+        return training.run_sites(h, connections, layers)
+
+    results = []
+    with training.join_sites_backward(True):
+        for fn in (run, torch.compile(run)):
+            leaf = x.clone().requires_grad_()
+            out = fn(leaf)
+            results.append((out.detach(), torch.autograd.grad(out, leaf, upstream)[0]))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)

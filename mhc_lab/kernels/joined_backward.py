@@ -111,6 +111,5 @@ def joined_backward_kernel(n: int, C: int, dtype: str = "float32", target: str =
 
 def coefficients_from_partial(coef_partial, n: int):
     """(dH_res [T, n, n], dH_post [T, n]) of the previous site's post from coef_partial: its column blocks summed
-    in order."""
-    total = coef_partial.sum(1)
-    return total[:, : n * n].unflatten(1, (n, n)), total[:, n * n :]
+    in order, into two tensors of their own."""
+    return coef_partial[:, :, : n * n].sum(1).unflatten(1, (n, n)), coef_partial[:, :, n * n :].sum(1)

@@ -564,6 +564,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
     what is left is the stream of x, dy (and dx_post) through the pipeline and the dx epilogue."""
     t = _check("pre backward (lanes)", n, C, dtype, target)
+    if joined and t == "c":
+        raise ValueError("pre backward (lanes): the joined kernel's C target is kernels/joined_backward.py "
+                         "(joined_backward_program)")
     if add_dx and post_grad:
         raise ValueError("pre backward (lanes): add_dx (the post's dx) and post_grad (the post's g, whose H_res^T g "
                          "this kernel computes) are two ways to the same term; got both")
@@ -1139,17 +1142,23 @@ def two_phase_coefficients(n: int, C: int, dtype: str, target: str, *, splits: i
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
                          add_dx: bool = False, post_grad: bool = False, lane_splits: int = 1, phases: str = "fused",
-                         **lane_tuning):
+                         joined: bool = False, **lane_tuning):
     """(coefficients, lanes) compiled kernels (cached per process). ``splits``: the forward partial's splits;
     ``lane_splits``: kernel 2's token splits (the first axis of dphi_partial); ``phases``: kernel 1 as one
     kernel or as two (CUDA; the returned ``coefficients`` takes the same arguments either way);
-    ``lane_tuning``: kernel 2's CUDA tuning, keywords of pre_backward_lanes_program (the C target has none)."""
+    ``lane_tuning``: kernel 2's CUDA tuning, keywords of pre_backward_lanes_program (the C target has none);
+    ``joined``: ``lanes`` is the joined kernel (kernel 2 with dx_post and the previous site's post backward,
+    kernels/joined_backward.py)."""
     t = canonical_target(target)
     if phases in ("split", "spread"):
         coefficients = two_phase_coefficients(n, C, dtype, t, splits=splits, phases=phases)
     else:
         coefficients = compile_program(pre_backward_coefficients_program(n, C, dtype, t, splits=splits), t)
+    if joined and t == "c":
+        from mhc_lab.kernels.joined_backward import joined_backward_kernel
+
+        return coefficients, joined_backward_kernel(n, C, dtype, t)
     lanes_kw = {} if t == "c" else {"splits": lane_splits, **lane_tuning}
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, post_grad=post_grad,
-                                                       **lanes_kw), t)
+                                                       joined=joined, **lanes_kw), t)
     return coefficients, lanes

@@ -250,6 +250,43 @@ def _(x, phi, bias, alpha, backend, partial_in=None):
             x.new_empty((tokens, n), **cd), partial, _link(x))
 
 
+def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, *, add_dx: bool, post_grad: bool,
+                            joined: bool = False):
+    """Kernel 1 of the pre backward run on x's device (kernels backend), and the lanes kernel built for what
+    follows it (kernel 2, or with ``joined`` the joined kernel): (lanes, its leading operands, dlogit, extra,
+    its token splits). The leading operands are x and dy, kernel 1's outputs as the lanes kernel takes them
+    (CUDA: dsplit and coef; C target: H_pre, dmix and extra, in float32) and phi."""
+    from mhc_lab.kernels.pre_backward import pre_backward_kernels
+
+    tokens, n, C = x.shape
+    m = mixes_width(n)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
+    phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
+    dpost, dres = dpost.float().contiguous(), dres.float().contiguous()
+    if x.device.type == "cuda":
+        from mhc_lab.kernels.pre_backward import coef_width, gemm_depth
+
+        splits = _lane_splits(n, C, x.device, add_dx or joined, post_grad)
+        coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
+                                                   lane_splits=splits, add_dx=add_dx or joined, post_grad=post_grad,
+                                                   joined=joined, phases=_coefficient_phases_for(n), **LANE_TUNING)
+        dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
+        coef = torch.empty((tokens, coef_width(n)), **f32)
+        xc, dyc = x.contiguous(), dy.contiguous()
+        if tokens:
+            with torch.cuda.device(x.device):
+                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit, dmix,
+                             extra, dsplit, coef)
+        return lanes, (xc, dyc, dsplit, coef, phi32), dlogit, extra, splits
+    coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=add_dx,
+                                               post_grad=post_grad, joined=joined)
+    x32, dy32 = x.float().contiguous(), dy.float().contiguous()
+    if tokens:
+        coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
+    return lanes, (x32, dy32, pre.contiguous(), dmix, extra, phi32), dlogit, extra, 1
+
+
 @torch.library.custom_op("mhc_lab::pre_backward", mutates_args=())
 @_no_autocast
 def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
@@ -273,46 +310,30 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
         return tuple(t.to(leaf.dtype).contiguous() for t, leaf in zip((dx, *grads[1:]), (x, phi, bias, alpha)))
     m = mixes_width(n)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
     dx = torch.empty_like(x)
-    phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
-    dpost, dres = dpost.float().contiguous(), dres.float().contiguous()
-    from mhc_lab.kernels.pre_backward import pre_backward_kernels
-
+    lanes, lead, dlogit, extra, splits = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres,
+                                                                 add_dx=add_dx, post_grad=post_grad)
     if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_backward import coef_width, dphi_from_partial, gemm_depth
+        from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth
 
-        splits = _lane_splits(n, C, x.device, add_dx, post_grad)
-        coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                                   lane_splits=splits, add_dx=add_dx, post_grad=post_grad,
-                                                   phases=_coefficient_phases_for(n), **LANE_TUNING)
         more = [dx_post.contiguous()] if linked else []
         if post_grad:
             more.append(res.float().contiguous())
         dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
-        dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
-        coef = torch.empty((tokens, coef_width(n)), **f32)
         if tokens:
             with torch.cuda.device(x.device):
-                xc, dyc = x.contiguous(), dy.contiguous()
-                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit,
-                             dmix, extra, dsplit, coef)
-                lanes(xc, dyc, dsplit, coef, phi32, *more, dx, dphi_partial)
+                lanes(*lead, *more, dx, dphi_partial)
         else:
             dphi_partial.zero_()
         dphi = dphi_from_partial(dphi_partial, n)
     else:
-        coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=add_dx,
-                                                   post_grad=post_grad)
         dphi_partial = torch.empty((1, m, n * C), **f32)
         if tokens:
-            x32, dy32 = x.float().contiguous(), dy.float().contiguous()
             dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
             more = [dx_post.float().contiguous()] if linked else []
             if post_grad:
                 more.append(res.float().contiguous())
-            coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
-            lanes(x32, dy32, pre.contiguous(), dmix, extra, phi32, *more, dx32, dphi_partial)
+            lanes(*lead, *more, dx32, dphi_partial)
             if dx32 is not dx:
                 dx.copy_(dx32)
         else:
@@ -572,6 +593,18 @@ def chaining_on_cuda(enabled: bool):
     return _module_setting("CHAIN_ON_CUDA", bool(enabled))
 
 
+# run_sites with the backward joined across sites: each post and the next site's pre are one op
+# (boundary_forward), whose backward runs kernel 2 of the pre with the post's backward in one kernel
+# (kernels/joined_backward.py), so the lanes' gradient between the two sites never goes through memory (38C per
+# chained site at n = 4 against 46C). Off: its CUDA kernel is built and not yet timed (kernel notes, section 7).
+JOIN_SITES_BACKWARD = False
+
+
+def join_sites_backward(enabled: bool):
+    """Within this block, run_sites joins each post with the next site's pre (boundary_forward; enabled)."""
+    return _module_setting("JOIN_SITES_BACKWARD", bool(enabled))
+
+
 LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo", "overlap_dx",
                 "ctas_per_sm", "swizzle_epilogue", "stage_dx", "dy_once", "consumer_groups")
 
@@ -616,6 +649,126 @@ def _post_linked_backward(ctx, g, _dpartial):
 
 
 post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
+
+
+def joined_kernel_applies(backend: str, x: torch.Tensor) -> bool:
+    """Whether joined_backward runs the joined kernel for lanes like x: the kernels backend on the CPU (its C
+    target), or on CUDA with bf16 lanes at n = 4 and C a multiple of 8 (two consumer warpgroups of all four
+    lanes, tiles stored by TMA); elsewhere it runs the two kernels apart."""
+    if backend != "kernels":
+        return False
+    if x.device.type != "cuda":
+        return True
+    return x.dtype == torch.bfloat16 and x.shape[1] == 4 and x.shape[2] % 8 == 0
+
+
+@torch.library.custom_op("mhc_lab::joined_backward", mutates_args=())
+@_no_autocast
+def joined_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
+                    partial: torch.Tensor, res: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor,
+                    dres: torch.Tensor, dx_post: torch.Tensor, x_prev: torch.Tensor, f_prev: torch.Tensor,
+                    post_prev: torch.Tensor, res_prev: torch.Tensor, backend: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor]:
+    """The backward of a site's pre (x, phi, bias, alpha; pre_backward with dx_post, the lanes' gradient of
+    its own post) joined with the backward of the post before it (x_prev, f_prev, post_prev, res_prev;
+    post_backward with g = this pre's dx): (the previous post's lanes gradient H_res_p^T g, df_prev,
+    dpost_prev, dres_prev, dphi, dbias, dalpha). One kernel where joined_kernel_applies, else the two ops."""
+    if not joined_kernel_applies(backend, x):
+        dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post,
+                                               backend)
+        dx_prev, df_prev, dpost_prev, dres_prev = post_backward(x_prev, f_prev, post_prev, res_prev, dx, backend)
+        return dx_prev, df_prev, dpost_prev, dres_prev, dphi, dbias, dalpha
+    from mhc_lab.kernels.joined_backward import coefficients_from_partial
+
+    tokens, n, C = x.shape
+    f32 = dict(dtype=torch.float32, device=x.device)
+    lanes, lead, dlogit, extra, splits = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres,
+                                                                 add_dx=True, post_grad=False, joined=True)
+    cuda = x.device.type == "cuda"
+    work = x.dtype if cuda else torch.float32  # the C target computes in float32
+    dx_prev = torch.empty(x_prev.shape, dtype=work, device=x.device)
+    df_prev = torch.empty(f_prev.shape, dtype=work, device=x.device)
+    if cuda:
+        from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, lane_tiling
+
+        dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
+        blocks = -(-C // lane_tiling(n, add_dx=True)[1])
+    else:
+        from mhc_lab.kernels.joined_backward import coef_blocks
+
+        dphi_partial = torch.empty((1, mixes_width(n), n * C), **f32)
+        blocks = coef_blocks(C)
+    coef_partial = torch.empty((tokens, blocks, n * n + n), **f32)
+    prev = [t.to(work).contiguous() for t in (dx_post, x_prev, f_prev)]
+    if tokens:
+        with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+            lanes(*lead, prev[0], prev[1], prev[2], post_prev.float().contiguous(), res_prev.float().contiguous(),
+                  dx_prev, df_prev, dphi_partial, coef_partial)
+    else:
+        dphi_partial.zero_()
+        coef_partial.zero_()
+    dphi = dphi_from_partial(dphi_partial, n) if cuda else dphi_partial.sum(0)
+    dres_prev, dpost_prev = coefficients_from_partial(coef_partial, n)
+    return (dx_prev.to(x_prev.dtype), df_prev.to(f_prev.dtype), dpost_prev.to(post_prev.dtype),
+            dres_prev.to(res_prev.dtype), dphi.to(phi.dtype), dlogit.sum(0).to(bias.dtype),
+            extra[:, :3].sum(0).to(alpha.dtype))
+
+
+@joined_backward.register_fake
+def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, x_prev, f_prev, post_prev, res_prev, backend):
+    return (torch.empty_like(x_prev), torch.empty_like(f_prev), torch.empty_like(post_prev), torch.empty_like(res_prev),
+            torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha))
+
+
+@torch.library.custom_op("mhc_lab::boundary_forward", mutates_args=())
+@_no_autocast
+def boundary_forward(x_prev: torch.Tensor, link_prev: torch.Tensor, f_prev: torch.Tensor, post_prev: torch.Tensor,
+                     res_prev: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]:
+    """A post (post_forward_linked on x_prev, link_prev, f_prev, post_prev, res_prev) and the next site's pre
+    (pre_forward with phi, bias, alpha on the lanes it makes) as one op: (x, y, post, res, pre, partial, link),
+    the post's lanes and the pre's outputs. Its backward is joined_backward: the lanes' gradient between the two
+    never goes through memory. The post's lanes gradient goes back through link_prev (as post_forward_linked's
+    does, in the form that writes H_res^T g), x_prev's as None."""
+    x, partial = post_forward_linked(x_prev, link_prev, f_prev, post_prev, res_prev, backend, phi)
+    y, post, res, pre, _, link = pre_forward(x, phi, bias, alpha, backend, partial)
+    return x, y, post, res, pre, partial, link
+
+
+@boundary_forward.register_fake
+def _(x_prev, link_prev, f_prev, post_prev, res_prev, phi, bias, alpha, backend):
+    x, partial = post_forward_linked(x_prev, link_prev, f_prev, post_prev, res_prev, backend, phi)
+    y, post, res, pre, _, link = pre_forward(x, phi, bias, alpha, backend, partial)
+    return x, y, post, res, pre, partial, link
+
+
+def _boundary_setup_context(ctx, inputs, output):
+    x_prev, _, f_prev, post_prev, res_prev, phi, bias, alpha, backend = inputs
+    x, _, _, res, pre, partial, _ = output
+    ctx.backend = backend
+    ctx.save_for_backward(x_prev, f_prev, post_prev, res_prev, x, phi, bias, alpha, pre, partial, res)
+    ctx.mark_non_differentiable(pre, partial)
+    ctx.set_materialize_grads(False)
+
+
+def _boundary_backward(ctx, dx, dy, dpost, dres, _dpre, _dpartial, dlink):
+    x_prev, f_prev, post_prev, res_prev, x, phi, bias, alpha, pre, partial, res = ctx.saved_tensors
+    tokens, n, C = x.shape
+    dy = torch.zeros((tokens, C), dtype=x.dtype, device=x.device) if dy is None else dy
+    dpost = torch.zeros_like(pre) if dpost is None else dpost
+    dres = torch.zeros((tokens, n, n), dtype=pre.dtype, device=x.device) if dres is None else dres
+    # the lanes' gradient besides this pre's own: its post's (through link) and any other use of x, summed
+    extra_dx = [t for t in (dlink, dx) if t is not None]
+    dx_post = sum(extra_dx[1:], extra_dx[0]) if extra_dx else torch.zeros_like(x)
+    grads = joined_backward(x, phi, bias, alpha, pre, partial, res, dy.contiguous(), dpost.contiguous(),
+                            dres.contiguous(), dx_post.contiguous(), x_prev, f_prev, post_prev, res_prev, ctx.backend)
+    dx_prev, df_prev, dpost_prev, dres_prev, dphi, dbias, dalpha = grads
+    return None, dx_prev, df_prev, dpost_prev, dres_prev, dphi, dbias, dalpha, None
+
+
+boundary_forward.register_autograd(_boundary_backward, setup_context=_boundary_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -692,11 +845,15 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
 
 def run_sites(x, connections, layers):
     """x through a chain of MHCConnections, each around its layer; every post projects its lanes for the next
-    site's pre (mhc_site_chained), so inside the chain the lanes are read once per site, not twice."""
+    site's pre (mhc_site_chained), so inside the chain the lanes are read once per site, not twice. Under
+    join_sites_backward(True), with one backend, n and width throughout, each post and the next pre are one op
+    (boundary_forward) whose backward is joined."""
     connections, layers = list(connections), list(layers)
     if len(connections) != len(layers):
         raise InputError(f"run_sites: expected one connection per layer, got {len(connections)} connections and "
                          f"{len(layers)} layers")
+    if JOIN_SITES_BACKWARD and connections and len({(c.backend, c.n, c.width) for c in connections}) == 1:
+        return _run_sites_joined(x, connections, layers)
     partial = None
     for i, (connection, layer) in enumerate(zip(connections, layers)):
         following = connections[i + 1] if i + 1 < len(connections) else None
@@ -704,6 +861,31 @@ def run_sites(x, connections, layers):
             connection.backend, connection.n, connection.width)
         x, partial = connection.chained(x, layer, partial, following.phi if chain else None)
     return x
+
+
+def _run_sites_joined(x, connections, layers):
+    """run_sites with each post and the next pre as one op (boundary_forward): the first site's pre and the
+    last site's post stand alone. Every post writes H_res^T g for its pre (post_gradient_to_pre(False)): the
+    joined kernel adds it as kernel 2 with dx_post does."""
+    first = connections[0]
+    require_lanes("x", x, n=first.n)
+    n, C = _check_site(x, first.phi, first.bias, first.alpha, "run_sites")
+    backend = resolve_backend(first.backend, x)
+    batch = tuple(x.shape[:-2])
+    lanes = x.reshape(-1, n, C)
+    with post_gradient_to_pre(False):
+        y, post, res, _, _, link = pre_forward(lanes, first.phi, first.bias, first.alpha, backend)
+        for i, layer in enumerate(layers):
+            f = layer(y.view(*batch, C))
+            _check_layer_output(x, f, "run_sites")
+            f = f.reshape(-1, C)
+            if i + 1 < len(layers):
+                nxt = connections[i + 1]
+                lanes, y, post, res, _, _, link = boundary_forward(lanes, link, f, post, res, nxt.phi, nxt.bias,
+                                                                   nxt.alpha, backend)
+            else:
+                lanes, _ = post_forward_linked(lanes, link, f, post, res, backend)
+    return lanes.view(*batch, n, C)
 
 
 # ----------------------------------------------------------------------------------------------------------
