@@ -685,26 +685,25 @@ def joined_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alph
     f32 = dict(dtype=torch.float32, device=x.device)
     lanes, lead, dlogit, extra, splits = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres,
                                                                  add_dx=True, post_grad=False, joined=True)
+    from mhc_lab.kernels.joined_backward import coef_blocks
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, lane_tiling
+
     cuda = x.device.type == "cuda"
     work = x.dtype if cuda else torch.float32  # the C target computes in float32
     dx_prev = torch.empty(x_prev.shape, dtype=work, device=x.device)
     df_prev = torch.empty(f_prev.shape, dtype=work, device=x.device)
-    if cuda:
-        from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, lane_tiling
-
+    if cuda:  # kernel 2's partial layout; the row sums per column block of its tiling
         dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
         blocks = -(-C // lane_tiling(n, add_dx=True)[1])
     else:
-        from mhc_lab.kernels.joined_backward import coef_blocks
-
         dphi_partial = torch.empty((1, mixes_width(n), n * C), **f32)
         blocks = coef_blocks(C)
     coef_partial = torch.empty((tokens, blocks, n * n + n), **f32)
-    prev = [t.to(work).contiguous() for t in (dx_post, x_prev, f_prev)]
+    previous = [t.to(work).contiguous() for t in (dx_post, x_prev, f_prev)]
+    previous += [post_prev.float().contiguous(), res_prev.float().contiguous()]
     if tokens:
         with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
-            lanes(*lead, prev[0], prev[1], prev[2], post_prev.float().contiguous(), res_prev.float().contiguous(),
-                  dx_prev, df_prev, dphi_partial, coef_partial)
+            lanes(*lead, *previous, dx_prev, df_prev, dphi_partial, coef_partial)
     else:
         dphi_partial.zero_()
         coef_partial.zero_()
