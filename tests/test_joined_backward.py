@@ -4,6 +4,8 @@ against float64 formulas and against the two kernels it joins, on random inputs 
 import pytest
 import torch
 
+from mhc_lab.kernels import nvcc_path
+
 
 def _truth(o: dict, n: int, C: int) -> dict:
     """float64: site i's dx from kernel 1's outputs (projection, H_pre dy, the norm's 2 ds x, the post's dx),
@@ -115,3 +117,22 @@ def test_joined_sites_run_under_torch_compile():
             results.append((out.detach(), torch.autograd.grad(out, leaf, upstream)[0]))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found: the sm_90 build check needs it")
+def test_joined_kernel_builds_for_sm90_within_a_ctas_shared_memory():
+    """nvcc builds the joined kernel for sm_90; the shared memory its launch asks for fits one CTA (two stages,
+    a copy of the lanes' dx buffer per stage), and lanes_shared_bytes bounds it from above."""
+    import re
+
+    from mhc_lab.kernels._target import compile_program, shared_per_cta
+    from mhc_lab.kernels.joined_backward import joined_backward_program
+    from mhc_lab.kernels.pre_backward import lane_stages, lanes_shared_bytes
+
+    kernel = compile_program(joined_backward_program(4, 4096, "bfloat16", "sm_90", splits=2), "sm_90")
+    # the launch's integer arguments: grid and block sizes, and the dynamic shared memory (the only one > 64 KB)
+    launch = [int(v) for v in re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\)", kernel.get_host_source())]
+    asked = [v for v in launch if v > 65536]
+    stages = lane_stages(4, 4, 64, 32, True, joined=True)
+    assert stages == 2 and asked
+    assert max(asked) <= lanes_shared_bytes(4, 4, 64, 32, stages, True, joined=True) <= shared_per_cta(1)
