@@ -393,7 +393,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
 
 
 def _previous_site_apart(x, dy, dsplit, coef, phi, dx_post, bench, log) -> dict:
-    """The site before's operands (random lanes and f, H_post, doubly stochastic-ish H_res) and what the two kernels
+    """The site before's operands (random lanes and f, H_post, row-stochastic H_res) and what the two kernels
     the joined one replaces give and take: kernel 2 with dx_post (its default tuning) writes dx, the post backward
     reads it as its g."""
     from mhc_lab.kernels.post_backward import post_backward_kernel
@@ -432,8 +432,8 @@ def _previous_site_apart(x, dy, dsplit, coef, phi, dx_post, bench, log) -> dict:
 def _time_joined(cfg, previous, x, dy, dsplit, coef, phi, dx_post, bench, log) -> dict:
     """The joined kernel (kernel 2 of this site with the post backward of the site before) timed alone, its
     outputs compared with the two kernels' apart (previous)."""
-    from mhc_lab.kernels.joined_backward import coefficients_from_partial
-    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, lane_tiling, pre_backward_kernels
+    from mhc_lab.kernels.joined_backward import coef_blocks, coefficients_from_partial
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, pre_backward_kernels
 
     tokens, n, C = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -441,10 +441,9 @@ def _time_joined(cfg, previous, x, dy, dsplit, coef, phi, dx_post, bench, log) -
     tuning = {k: v for k, v in hashable_tuning(cfg).items() if k not in ("joined", "add_dx")}
     _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", add_dx=True, lane_splits=row["token_splits"],
                                     joined=True, **tuning)
-    block_c = cfg.get("block_c") or lane_tiling(n, add_dx=True)[1]  # coef_partial's column blocks
     dx_prev, df_prev = torch.empty_like(x), torch.empty_like(dy)
     dphi_partial = torch.empty((row["token_splits"], 2 * gemm_depth(n), n * C), **f32)
-    coef_partial = torch.empty((tokens, -(-C // block_c), n * n + n), **f32)
+    coef_partial = torch.empty((tokens, coef_blocks(C, "cuda", cfg.get("block_c")), n * n + n), **f32)
     args = (x, dy, dsplit, coef, phi, dx_post, *previous["operands"], dx_prev, df_prev, dphi_partial, coef_partial)
     lanes(*args)
     dres, dpost = coefficients_from_partial(coef_partial, n)

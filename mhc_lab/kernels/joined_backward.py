@@ -30,14 +30,17 @@ from mhc_lab.kernels._target import (
     check_target_dtype,
     compile_program,
 )
-from mhc_lab.kernels.pre_backward import EXTRA, lane_dx_c, pre_backward_lanes_program
+from mhc_lab.kernels.pre_backward import EXTRA, lane_dx_c, lane_tiling, pre_backward_lanes_program
 
 BLOCK_C = 8  # columns per program instance on the C target (the partial sums' blocks)
 
 
-def coef_blocks(C: int) -> int:
-    """The column blocks of coef_partial's second axis on the C target."""
-    return ceil_div(C, BLOCK_C)
+def coef_blocks(C: int, target: str = "c", block_c: int | None = None) -> int:
+    """The column blocks of coef_partial's second axis: BLOCK_C columns each on the C target; on CUDA the joined
+    kernel's block_c (default lane_tiling's with dx_post at n = 4)."""
+    if canonical_target(target) == "c":
+        return ceil_div(C, BLOCK_C)
+    return ceil_div(C, block_c or lane_tiling(4, add_dx=True)[1])
 
 
 def joined_backward_program(n: int, C: int, dtype: str = "float32", target: str = "c", **cuda_tuning):

@@ -553,8 +553,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     lanes and stores none of them; after a named barrier of the two warpgroups each takes from the four tiles,
     for its own lanes j, the previous site's dx_post H_res_p^T dx (16-byte stores, a quad of threads per 64-byte
     row) and the row sums of dx_i x_p,j over the block's columns (dH_res_p's partials); the first warpgroup also
-    df_p = H_post_p . dx, the second the row sums of dx_i f_p (dH_post_p's). The pipeline keeps a copy of the dx
-    buffer per stage, so one barrier per tile orders the two warpgroups' writes and reads. Extra arguments after
+    df_p = H_post_p . dx, the second the row sums of dx_i f_p (dH_post_p's); a second barrier keeps the next
+    tile's writes of the buffer after these reads. (The pipeline keeps a copy of the buffer per stage, which
+    would make the second barrier redundant at two stages or more; it stays until the kernel is run and timed
+    without it.) Extra arguments after
     dx_post: x_prev [T, n, C], f_prev [T, C], post_prev [T, n] f32, res_prev [T, n, n] f32; outputs dx_prev
     [T, n, C], df_prev [T, C], dphi_partial, coef_partial [T, ceil(C / block_c), n^2 + n] f32 (dH_res_p, then
     dH_post_p). Written to the lanes' dx tiles (BT x BC) one element per thread in the accumulator's layout,
@@ -907,9 +909,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
                     else:
                         group_work(1, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
-                    if joined:  # both groups' dx tiles staged, then each takes its share (a second barrier orders
-                        # the next tile's writes after these reads; with a copy of the buffer per stage TileLang
-                        # keeps one of the two)
+                    if joined:  # both groups' dx tiles staged, then each takes its share; a second barrier keeps
+                        # the next tile's writes of the dx buffer after these reads
                         T.sync_threads(JOIN_BARRIER, 2 * threads)
                         joined_operands = (dx_stage, xps, fps, postp_s, resp_s)
                         if tx < 128:

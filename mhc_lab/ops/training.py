@@ -254,9 +254,10 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
                             joined: bool = False):
     """Kernel 1 of the pre backward run on x's device (kernels backend), and the lanes kernel built for what
     follows it (kernel 2, or with ``joined`` the joined kernel): (lanes, its leading operands, dlogit, extra,
-    its token splits). The leading operands are x and dy, kernel 1's outputs as the lanes kernel takes them
-    (CUDA: dsplit and coef; C target: H_pre, dmix and extra, in float32) and phi."""
-    from mhc_lab.kernels.pre_backward import pre_backward_kernels
+    dphi_partial). The leading operands are x and dy, kernel 1's outputs as the lanes kernel takes them
+    (CUDA: dsplit and coef; C target: H_pre, dmix and extra, in float32) and phi; dphi_partial is the lanes
+    kernel's dphi output in its layout (zeros when there are no tokens; _parameter_grads sums it)."""
+    from mhc_lab.kernels.pre_backward import gemm_depth, pre_backward_kernels
 
     tokens, n, C = x.shape
     m = mixes_width(n)
@@ -264,8 +265,9 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
     dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
     phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
     dpost, dres = dpost.float().contiguous(), dres.float().contiguous()
+    alloc = torch.empty if tokens else torch.zeros
     if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_backward import coef_width, gemm_depth
+        from mhc_lab.kernels.pre_backward import coef_width
 
         splits = _lane_splits(n, C, x.device, add_dx or joined, post_grad)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
@@ -278,13 +280,23 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
             with torch.cuda.device(x.device):
                 coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit, dmix,
                              extra, dsplit, coef)
-        return lanes, (xc, dyc, dsplit, coef, phi32), dlogit, extra, splits
+        dphi_partial = alloc((splits, 2 * gemm_depth(n), n * C), **f32)
+        return lanes, (xc, dyc, dsplit, coef, phi32), dlogit, extra, dphi_partial
     coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=add_dx,
                                                post_grad=post_grad, joined=joined)
     x32, dy32 = x.float().contiguous(), dy.float().contiguous()
     if tokens:
         coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
-    return lanes, (x32, dy32, pre.contiguous(), dmix, extra, phi32), dlogit, extra, 1
+    return lanes, (x32, dy32, pre.contiguous(), dmix, extra, phi32), dlogit, extra, alloc((1, m, n * C), **f32)
+
+
+def _parameter_grads(dphi_partial, dlogit, extra, n: int, phi, bias, alpha) -> tuple:
+    """(dphi, dbias, dalpha) from the lanes kernel's dphi partial sums (CUDA's split layout, or the C target's
+    one row of them) and kernel 1's per-token dlogit and extra, summed over the tokens."""
+    from mhc_lab.kernels.pre_backward import dphi_from_partial
+
+    dphi = dphi_from_partial(dphi_partial, n) if dphi_partial.device.type == "cuda" else dphi_partial.sum(0)
+    return dphi.to(phi.dtype), dlogit.sum(0).to(bias.dtype), extra[:, :3].sum(0).to(alpha.dtype)
 
 
 @torch.library.custom_op("mhc_lab::pre_backward", mutates_args=())
@@ -308,38 +320,21 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
             dx_post = torch.einsum("tij,tic->tjc", res.to(cd), dx_post.to(cd))
         dx = grads.x + dx_post.to(cd) if linked else grads.x
         return tuple(t.to(leaf.dtype).contiguous() for t, leaf in zip((dx, *grads[1:]), (x, phi, bias, alpha)))
-    m = mixes_width(n)
-    f32 = dict(dtype=torch.float32, device=x.device)
     dx = torch.empty_like(x)
-    lanes, lead, dlogit, extra, splits = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres,
-                                                                 add_dx=add_dx, post_grad=post_grad)
-    if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth
-
-        more = [dx_post.contiguous()] if linked else []
+    lanes, lead, dlogit, extra, dphi_partial = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost,
+                                                                       dres, add_dx=add_dx, post_grad=post_grad)
+    if tokens:
+        cuda = x.device.type == "cuda"
+        work = x.dtype if cuda else torch.float32  # the C target computes in float32
+        more = [dx_post.to(work).contiguous()] if linked else []
         if post_grad:
             more.append(res.float().contiguous())
-        dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
-        if tokens:
-            with torch.cuda.device(x.device):
-                lanes(*lead, *more, dx, dphi_partial)
-        else:
-            dphi_partial.zero_()
-        dphi = dphi_from_partial(dphi_partial, n)
-    else:
-        dphi_partial = torch.empty((1, m, n * C), **f32)
-        if tokens:
-            dx32 = dx if x.dtype == torch.float32 else torch.empty(x.shape, **f32)
-            more = [dx_post.float().contiguous()] if linked else []
-            if post_grad:
-                more.append(res.float().contiguous())
-            lanes(*lead, *more, dx32, dphi_partial)
-            if dx32 is not dx:
-                dx.copy_(dx32)
-        else:
-            dphi_partial.zero_()
-        dphi = dphi_partial.sum(0)
-    return (dx, dphi.to(phi.dtype), dlogit.sum(0).to(bias.dtype), extra[:, :3].sum(0).to(alpha.dtype))
+        out = dx if dx.dtype == work else torch.empty(x.shape, dtype=work, device=x.device)
+        with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+            lanes(*lead, *more, out, dphi_partial)
+        if out is not dx:
+            dx.copy_(out)
+    return (dx, *_parameter_grads(dphi_partial, dlogit, extra, n, phi, bias, alpha))
 
 
 @pre_backward.register_fake
@@ -359,14 +354,21 @@ def _pre_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _pre_output_grads(x, pre, dy, dpost, dres) -> tuple:
+    """The gradients of a pre's outputs y, post and res as its backward takes them: contiguous, zeros where
+    autograd gave None (an output nothing used)."""
+    tokens, n, C = x.shape
+    dy = torch.zeros((tokens, C), dtype=x.dtype, device=x.device) if dy is None else dy
+    dpost = torch.zeros_like(pre) if dpost is None else dpost
+    dres = torch.zeros((tokens, n, n), dtype=pre.dtype, device=x.device) if dres is None else dres
+    return dy.contiguous(), dpost.contiguous(), dres.contiguous()
+
+
 def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
     x, phi, bias, alpha, pre, partial, res = ctx.saved_tensors
-    dy = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device) if dy is None else dy
-    dpost = torch.zeros_like(pre) if dpost is None else dpost
-    dres = torch.zeros((x.shape[0], x.shape[1], x.shape[1]), dtype=pre.dtype, device=x.device) if dres is None else dres
     dx_post = None if dlink is None else dlink.contiguous()
-    dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res, dy.contiguous(),
-                                           dpost.contiguous(), dres.contiguous(), dx_post, ctx.backend,
+    dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res,
+                                           *_pre_output_grads(x, pre, dy, dpost, dres), dx_post, ctx.backend,
                                            ctx.post_grad)
     return dx, dphi, dbias, dalpha, None, None
 
@@ -679,39 +681,27 @@ def joined_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alph
                                                backend)
         dx_prev, df_prev, dpost_prev, dres_prev = post_backward(x_prev, f_prev, post_prev, res_prev, dx, backend)
         return dx_prev, df_prev, dpost_prev, dres_prev, dphi, dbias, dalpha
-    from mhc_lab.kernels.joined_backward import coefficients_from_partial
+    from mhc_lab.kernels.joined_backward import coef_blocks, coefficients_from_partial
 
     tokens, n, C = x.shape
-    f32 = dict(dtype=torch.float32, device=x.device)
-    lanes, lead, dlogit, extra, splits = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres,
-                                                                 add_dx=True, post_grad=False, joined=True)
-    from mhc_lab.kernels.joined_backward import coef_blocks
-    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, lane_tiling
-
+    lanes, lead, dlogit, extra, dphi_partial = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost,
+                                                                       dres, add_dx=True, post_grad=False,
+                                                                       joined=True)
     cuda = x.device.type == "cuda"
     work = x.dtype if cuda else torch.float32  # the C target computes in float32
     dx_prev = torch.empty(x_prev.shape, dtype=work, device=x.device)
     df_prev = torch.empty(f_prev.shape, dtype=work, device=x.device)
-    if cuda:  # kernel 2's partial layout; the row sums per column block of its tiling
-        dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
-        blocks = -(-C // lane_tiling(n, add_dx=True)[1])
-    else:
-        dphi_partial = torch.empty((1, mixes_width(n), n * C), **f32)
-        blocks = coef_blocks(C)
-    coef_partial = torch.empty((tokens, blocks, n * n + n), **f32)
+    blocks = coef_blocks(C, "cuda" if cuda else "c", LANE_TUNING.get("block_c"))
+    alloc = torch.empty if tokens else torch.zeros
+    coef_partial = alloc((tokens, blocks, n * n + n), dtype=torch.float32, device=x.device)
     previous = [t.to(work).contiguous() for t in (dx_post, x_prev, f_prev)]
     previous += [post_prev.float().contiguous(), res_prev.float().contiguous()]
     if tokens:
         with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
             lanes(*lead, *previous, dx_prev, df_prev, dphi_partial, coef_partial)
-    else:
-        dphi_partial.zero_()
-        coef_partial.zero_()
-    dphi = dphi_from_partial(dphi_partial, n) if cuda else dphi_partial.sum(0)
     dres_prev, dpost_prev = coefficients_from_partial(coef_partial, n)
     return (dx_prev.to(x_prev.dtype), df_prev.to(f_prev.dtype), dpost_prev.to(post_prev.dtype),
-            dres_prev.to(res_prev.dtype), dphi.to(phi.dtype), dlogit.sum(0).to(bias.dtype),
-            extra[:, :3].sum(0).to(alpha.dtype))
+            dres_prev.to(res_prev.dtype), *_parameter_grads(dphi_partial, dlogit, extra, n, phi, bias, alpha))
 
 
 @joined_backward.register_fake
@@ -731,16 +721,16 @@ def boundary_forward(x_prev: torch.Tensor, link_prev: torch.Tensor, f_prev: torc
     the post's lanes and the pre's outputs. Its backward is joined_backward: the lanes' gradient between the two
     never goes through memory. The post's lanes gradient goes back through link_prev (as post_forward_linked's
     does, in the form that writes H_res^T g), x_prev's as None."""
+    return _boundary(x_prev, link_prev, f_prev, post_prev, res_prev, phi, bias, alpha, backend)
+
+
+def _boundary(x_prev, link_prev, f_prev, post_prev, res_prev, phi, bias, alpha, backend):
     x, partial = post_forward_linked(x_prev, link_prev, f_prev, post_prev, res_prev, backend, phi)
     y, post, res, pre, _, link = pre_forward(x, phi, bias, alpha, backend, partial)
     return x, y, post, res, pre, partial, link
 
 
-@boundary_forward.register_fake
-def _(x_prev, link_prev, f_prev, post_prev, res_prev, phi, bias, alpha, backend):
-    x, partial = post_forward_linked(x_prev, link_prev, f_prev, post_prev, res_prev, backend, phi)
-    y, post, res, pre, _, link = pre_forward(x, phi, bias, alpha, backend, partial)
-    return x, y, post, res, pre, partial, link
+boundary_forward.register_fake(_boundary)  # under fake tensors the two ops it calls run their own fakes
 
 
 def _boundary_setup_context(ctx, inputs, output):
@@ -754,15 +744,11 @@ def _boundary_setup_context(ctx, inputs, output):
 
 def _boundary_backward(ctx, dx, dy, dpost, dres, _dpre, _dpartial, dlink):
     x_prev, f_prev, post_prev, res_prev, x, phi, bias, alpha, pre, partial, res = ctx.saved_tensors
-    tokens, n, C = x.shape
-    dy = torch.zeros((tokens, C), dtype=x.dtype, device=x.device) if dy is None else dy
-    dpost = torch.zeros_like(pre) if dpost is None else dpost
-    dres = torch.zeros((tokens, n, n), dtype=pre.dtype, device=x.device) if dres is None else dres
     # the lanes' gradient besides this pre's own: its post's (through link) and any other use of x, summed
-    extra_dx = [t for t in (dlink, dx) if t is not None]
-    dx_post = sum(extra_dx[1:], extra_dx[0]) if extra_dx else torch.zeros_like(x)
-    grads = joined_backward(x, phi, bias, alpha, pre, partial, res, dy.contiguous(), dpost.contiguous(),
-                            dres.contiguous(), dx_post.contiguous(), x_prev, f_prev, post_prev, res_prev, ctx.backend)
+    dx_post = dlink if dx is None else dx if dlink is None else dlink + dx
+    dx_post = torch.zeros_like(x) if dx_post is None else dx_post.contiguous()
+    grads = joined_backward(x, phi, bias, alpha, pre, partial, res, *_pre_output_grads(x, pre, dy, dpost, dres),
+                            dx_post, x_prev, f_prev, post_prev, res_prev, ctx.backend)
     dx_prev, df_prev, dpost_prev, dres_prev, dphi, dbias, dalpha = grads
     return None, dx_prev, df_prev, dpost_prev, dres_prev, dphi, dbias, dalpha, None
 
