@@ -78,6 +78,8 @@ def test_joined_kernel_refuses_what_it_cannot_join():
         pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, joined=True, consumer_groups=1)
     with pytest.raises(ValueError, match=r"lane_group = 2, n = 2"):
         pre_backward_lanes_program(2, 4096, "bfloat16", "sm_90", add_dx=True, joined=True)
+    with pytest.raises(ValueError, match=r"joined_leave_out takes parts of the joined kernel's epilogue"):
+        pre_backward_lanes_program(4, 4096, "bfloat16", "sm_90", add_dx=True, joined_leave_out=("row_sums",))
 
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA joined kernel runs only there")

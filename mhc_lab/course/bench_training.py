@@ -518,17 +518,19 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
     heads = width // 128
     out = {"C": width, "tokens": batch * seq, "batch": batch, "seq": seq, "heads": heads, "times_ms": {},
            "peak_gib": {}, "overhead_pct": {}, "errors": {}}
-    from mhc_lab.ops.training import chaining_on_cuda
+    from mhc_lab.ops.training import chaining_on_cuda, join_sites_backward
 
-    kinds = ["residual", "mhc_ours", "mhc_ours_chained", "mhc_ours_recompute", "mhc_tilekernels", "mhc_compiled"]
-    chained = {"mhc_ours": False, "mhc_ours_chained": True}  # the others: the library's default (CHAIN_ON_CUDA)
+    kinds = ["residual", "mhc_ours", "mhc_ours_chained", "mhc_ours_joined", "mhc_ours_recompute", "mhc_tilekernels",
+             "mhc_compiled"]
+    # chained or not, joined or not; the others: the library's defaults (CHAIN_ON_CUDA, JOIN_SITES_BACKWARD)
+    chained = {"mhc_ours": (False, False), "mhc_ours_chained": (True, False), "mhc_ours_joined": (True, True)}
     for kind in kinds:
         if kind == "mhc_tilekernels" and "tilekernels" in skip or kind == "mhc_compiled" and "compile" in skip:
             continue
         try:
             torch.manual_seed(0)
             connection = {"mhc_ours_recompute": "mhc_ours", "mhc_ours_chained": "mhc_ours",
-                          "mhc_compiled": "mhc_reference"}.get(kind, kind)
+                          "mhc_ours_joined": "mhc_ours", "mhc_compiled": "mhc_reference"}.get(kind, kind)
             block = _Block(width, heads, connection).cuda()
             shape = (batch, seq, width) if kind == "residual" else (batch, seq, N, width)
             h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -547,8 +549,11 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
             else:
                 fn = torch.compile(block) if kind == "mhc_compiled" else block
 
-            def step(fn=fn, h=h, g=g, chain=chained.get(kind)):
-                with contextlib.nullcontext() if chain is None else chaining_on_cuda(chain):
+            def step(fn=fn, h=h, g=g, how=chained.get(kind)):
+                with contextlib.ExitStack() as options:
+                    if how is not None:
+                        options.enter_context(chaining_on_cuda(how[0]))
+                        options.enter_context(join_sites_backward(how[1]))
                     fn(h).backward(g)
 
             step()

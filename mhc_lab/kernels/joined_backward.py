@@ -113,6 +113,7 @@ def joined_backward_kernel(n: int, C: int, dtype: str = "float32", target: str =
 
 
 def coefficients_from_partial(coef_partial, n: int):
-    """(dH_res [T, n, n], dH_post [T, n]) of the previous site's post from coef_partial: its column blocks summed
-    in order, into two tensors of their own."""
-    return coef_partial[:, :, : n * n].sum(1).unflatten(1, (n, n)), coef_partial[:, :, n * n :].sum(1)
+    """(dH_res [T, n, n], dH_post [T, n]) of the previous site's post from coef_partial: its column blocks
+    summed, then split into two tensors of their own."""
+    summed = coef_partial.sum(1)  # one pass over the contiguous partials
+    return summed[:, : n * n].unflatten(1, (n, n)), summed[:, n * n :].clone()  # no two results alias (custom ops)

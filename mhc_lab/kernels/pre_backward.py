@@ -63,6 +63,7 @@ from mhc_lab.kernels._target import (
 
 EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
 LANE_LEAVE_OUT_STEPS = ("dphi", "dx_gemm", "dmix_loads")  # kernel 2's timing steps, left out in this order
+JOINED_LEAVE_OUT = ("row_sums", "outputs", "second_barrier")  # the joined epilogue's, in any combination
 
 
 def _present(*buffers) -> list:
@@ -466,7 +467,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
                                dy_once: bool | None = None, consumer_groups: int | None = None,
-                               joined: bool = False, leave_out: tuple = ()):
+                               joined: bool = False, leave_out: tuple = (), joined_leave_out: tuple = ()):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -564,8 +565,14 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
-    what is left is the stream of x, dy (and dx_post) through the pipeline and the dx epilogue."""
+    what is left is the stream of x, dy (and dx_post) through the pipeline and the dx epilogue.
+    joined_leave_out does the same for the joined epilogue, any of JOINED_LEAVE_OUT: "row_sums" (the partial
+    sums of dH_res_p and dH_post_p), "outputs" (dx_prev and df_prev), "second_barrier"."""
     t = _check("pre backward (lanes)", n, C, dtype, target)
+    joined_left = set(joined_leave_out)
+    if joined_left - set(JOINED_LEAVE_OUT) or (joined_left and not joined):
+        raise ValueError(f"pre backward (lanes): joined_leave_out takes parts of the joined kernel's epilogue, any "
+                         f"of {JOINED_LEAVE_OUT}; got {tuple(joined_leave_out)} with joined = {joined}")
     if joined and t == "c":
         raise ValueError("pre backward (lanes): the joined kernel's C target is kernels/joined_backward.py "
                          "(joined_backward_program)")
@@ -801,18 +808,21 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         # site's dx_post (H_res_p^T dx) and dH_res_p's row sums (dx_i . x_p,j); the first group also df_p, the
         # second dH_post_p's row sums (dx_i . f_p)
         for jj in group_lanes[k]:
-            for tt, c in T.Parallel(BT, BC):
-                out[tt, c] = T.cast(sum([resp_s[tt, i, jj] * T.cast(dx_stage[i, tt, c], "float32") for i in lanes]),
-                                    dtype)
-            T.copy(out, dx_prev[t0 : t0 + BT, jj, c0 : c0 + BC])
-            for i in lanes:
-                row_sums(dx_stage, i, xps[jj], frag, red, t0, coef_partial, bc, i * n + jj)
+            if "outputs" not in joined_left:
+                for tt, c in T.Parallel(BT, BC):
+                    out[tt, c] = T.cast(sum([resp_s[tt, i, jj] * T.cast(dx_stage[i, tt, c], "float32")
+                                             for i in lanes]), dtype)
+                T.copy(out, dx_prev[t0 : t0 + BT, jj, c0 : c0 + BC])
+            if "row_sums" not in joined_left:
+                for i in lanes:
+                    row_sums(dx_stage, i, xps[jj], frag, red, t0, coef_partial, bc, i * n + jj)
         if k == 0:
-            for tt, c in T.Parallel(BT, BC):
-                out[tt, c] = T.cast(sum([postp_s[tt, i] * T.cast(dx_stage[i, tt, c], "float32") for i in lanes]),
-                                    dtype)
-            T.copy(out, df_prev[t0 : t0 + BT, c0 : c0 + BC])
-        else:
+            if "outputs" not in joined_left:
+                for tt, c in T.Parallel(BT, BC):
+                    out[tt, c] = T.cast(sum([postp_s[tt, i] * T.cast(dx_stage[i, tt, c], "float32")
+                                             for i in lanes]), dtype)
+                T.copy(out, df_prev[t0 : t0 + BT, c0 : c0 + BC])
+        elif "row_sums" not in joined_left:
             for i in lanes:
                 row_sums(dx_stage, i, fps, frag, red, t0, coef_partial, bc, n * n + i)
 
@@ -919,7 +929,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         else:
                             joined_work(1, t0, bc, c0, *joined_operands, jfrags[1], jouts[1], jreds[1], dx, df_prev,
                                         coef_partial)
-                        T.sync_threads(JOIN_BARRIER, 2 * threads)
+                        if "second_barrier" not in joined_left:
+                            T.sync_threads(JOIN_BARRIER, 2 * threads)
                 elif overlap_dx:
                     group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
                 else:
