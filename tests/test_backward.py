@@ -880,9 +880,10 @@ def test_joined_sites_match_the_chain_of_sites(monkeypatch, backend, dtype, tol,
 def _joined_no_less_exact(errors) -> None:
     """With bf16 lanes the joined kernel keeps the lanes' gradient between two sites in float32 where the two
     kernels apart round it to bf16 on its way through memory: so the joined chain is compared with the float64
-    chain: the output and each gradient must be within bf16's reach of it, and no further from it than the
-    chain apart's (to 10% and one bf16 step, 2^-7, of its largest entry)."""
-    assert max(errors["joined"]) < 5e-2, errors
+    chain. The output and the lanes' gradient must be within bf16's reach of it, and the output and every
+    gradient no further from it than the chain apart's (to 10% and one bf16 step, 2^-7, of its largest entry).
+    (The small gradients, alpha's three above all, are sums that cancel: both chains miss them by more.)"""
+    assert max(errors["joined"][:2]) < 5e-2, errors
     assert all(j <= 1.1 * a + 2**-7 for j, a in zip(errors["joined"], errors["apart"])), errors
 
 
