@@ -183,3 +183,27 @@ def test_designs_table_gives_the_chained_site_with_and_without_the_post_gradient
     assert handed == [chained[0], chained[1] - n, chained[2] - n]
     if n == 4:
         assert (chained[2], handed[2]) == (46, 42)
+
+
+def test_joined_h200_table_sets_each_variant_against_the_two_kernels_apart():
+    """Ratios to kernel 2 + the post backward of the same sweep, the parts named, the one-pass sum of a later
+    run under the shape it belongs to; rows of another epilogue and sweeps without joined rows left out."""
+    from mhc_lab.course.training_lab import joined_h200_table
+
+    def row(ms, sums, **kw):
+        return {"joined": True, "ms": ms, "kernel2_ms": 0.3, "post_backward_ms": 0.2, "sums_ms": sums,
+                "epilogue": "reduce_sum per row sum", **kw}
+
+    results = {"sweeps": [
+        {"tokens": 128, "C": 64, "run": "X", "lanes": [{"add_dx": True, "ms": 0.3}, row(0.75, 0.05),
+                                                        row(0.4, 0.05, joined_leave_out=["row_sums"])]},
+        {"tokens": 128, "C": 64, "run": "Y", "lanes": [row(9.0, 0.02, epilogue="per thread",
+                                                        sums_pass="one pass (committed)")]},
+        {"tokens": 256, "C": 96, "run": "Z", "lanes": [{"add_dx": True, "ms": 0.5}]}]}
+    lines = joined_h200_table(results).splitlines()
+    assert len(lines) == 6 and not any("9.000" in line or " 96 " in line for line in lines)
+    assert lines[1].split()[:2] == ["128", "64"] and lines[1].split()[-2:] == ["0.500", "X"]
+    assert lines[2].split()[-3:] == ["0.750", "1.50x", "X"] and "joined kernel" in lines[2]
+    assert lines[3].split()[-3:] == ["0.400", "0.80x", "X"] and "without the row sums" in lines[3]
+    assert lines[4].split()[-2:] == ["0.050", "X"] and lines[5].split()[-2:] == ["0.020", "Y"]
+    assert joined_h200_table({"sweeps": []}) == "(no recorded runs of the joined kernel)"

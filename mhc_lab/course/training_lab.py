@@ -162,6 +162,40 @@ def joined_table(n: int, C: int, tokens: int, seed: int = 0) -> str:
     return "\n".join(lines)
 
 
+JOINED_PARTS = {(): "the joined kernel", ("row_sums",): "  without the row sums",
+                ("outputs",): "  without dx_prev and df_prev", ("second_barrier",): "  without the second barrier",
+                ("outputs", "row_sums"): "  without both"}
+
+
+def joined_h200_table(results: dict | None, epilogue: str = "reduce_sum") -> str:
+    """The joined kernel on the H200 (the recording's sweeps with "joined" rows whose epilogue is ``epilogue``),
+    per shape: kernel 2 with dx_post and the post backward apart, the joined kernel, and (where the sweep has
+    them) the joined kernel with parts of its epilogue left out (joined_leave_out: timing experiments, their
+    outputs are wrong); then the pass that sums its partials, as each run summed them."""
+    sweeps = (results or {}).get("sweeps") or []
+    one_pass = {(sw["tokens"], sw["C"]): (r["sums_ms"], sw["run"]) for sw in sweeps for r in sw.get("lanes") or []
+                if r.get("joined") and str(r.get("sums_pass", "")).startswith("one pass")}
+    width = 40
+    lines = [f"{'tokens':>7}{'C':>6}  {'':{width}}{'ms':>7}{'vs apart':>10}  run"]
+    for sweep in sweeps:
+        rows = [r for r in sweep.get("lanes") or [] if r.get("joined") and "ms" in r
+                and str(r.get("epilogue", "")).startswith(epilogue)]
+        if not rows:
+            continue
+        apart = rows[0]["kernel2_ms"] + rows[0]["post_backward_ms"]
+        lines.append(f"{sweep['tokens']:>7}{sweep['C']:>6}  {'kernel 2 with dx_post + post backward':{width}}"
+                     f"{apart:>7.3f}{'':>10}  {sweep['run']}")
+        for r in rows:
+            part = JOINED_PARTS.get(tuple(sorted(r.get("joined_leave_out") or ())), str(r.get("joined_leave_out")))
+            lines.append(f"{'':15}{part:{width}}{r['ms']:>7.3f}{r['ms'] / apart:>9.2f}x  {sweep['run']}")
+        lines.append(f"{'':15}{'  + its partials summed in three slices':{width}}{rows[0]['sums_ms']:>7.3f}"
+                     f"{'':>10}  {sweep['run']}")
+        if (sweep["tokens"], sweep["C"]) in one_pass:
+            ms, run = one_pass[sweep["tokens"], sweep["C"]]
+            lines.append(f"{'':15}{'  + its partials summed in one pass':{width}}{ms:>7.3f}{'':>10}  {run}")
+    return "\n".join(lines) if len(lines) > 1 else "(no recorded runs of the joined kernel)"
+
+
 # ---- bytes of each pass, per token (units of C elements) ----------------------------------------------------
 
 # (read, written) lane-wide elements per token and site, in units of C, for n lanes. Each tensor is read once and
@@ -576,7 +610,7 @@ SITE_IMPLEMENTATIONS = {"ours": "ours (TileLang)", "ours_linked": "ours, linked"
                         "tilekernels": "TileKernels",
                         "compiled": "torch.compile", "eager": "eager"}
 BLOCK_IMPLEMENTATIONS = {"residual": "plain residual", "mhc_ours": "mHC, ours",
-                         "mhc_ours_chained": "mHC, ours, chained",
+                         "mhc_ours_chained": "mHC, ours, chained", "mhc_ours_joined": "mHC, ours, joined",
                          "mhc_ours_recompute": "mHC, ours + recompute", "mhc_tilekernels": "mHC, TileKernels",
                          "mhc_compiled": "mHC, torch.compile"}
 
