@@ -548,20 +548,25 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     2) 0.212 / 0.321 / 0.358 against 0.263 / 0.386 / 0.377 (run AV, H200, 2026-11-30; dx and dphi the same bit
     for bit as one warpgroup's, dphi within 1.2e-5 where the token splits differ).
 
-    joined (CUDA; built, not yet run on a GPU): kernel 2 joined with the post backward of the site before this
-    one (kernels/joined_backward.py has the C target and the formulas). Needs add_dx, stage_dx and two consumer
-    warpgroups of all n lanes (n = 4). Each warpgroup writes its lanes' dx tiles into one shared buffer of all
-    lanes and stores none of them; after a named barrier of the two warpgroups each takes from the four tiles,
-    for its own lanes j, the previous site's dx_post H_res_p^T dx (16-byte stores, a quad of threads per 64-byte
-    row) and the row sums of dx_i x_p,j over the block's columns (dH_res_p's partials); the first warpgroup also
+    joined (CUDA): kernel 2 joined with the post backward of the site before this one (kernels/
+    joined_backward.py has the C target and the formulas). Needs add_dx, stage_dx and two consumer warpgroups of
+    all n lanes (n = 4). Each warpgroup writes its lanes' dx tiles into one shared buffer of all lanes and stores
+    none of them; after a named barrier of the two warpgroups each takes from the four tiles, for its own lanes
+    j, the previous site's dx_post H_res_p^T dx (16-byte stores, a quad of threads per 64-byte row) and the row
+    sums of dx_i x_p,j over the block's columns (dH_res_p's partials); the first warpgroup also
     df_p = H_post_p . dx, the second the row sums of dx_i f_p (dH_post_p's); a second barrier keeps the next
-    tile's writes of the buffer after these reads. (The pipeline keeps a copy of the buffer per stage, which
-    would make the second barrier redundant at two stages or more; it stays until the kernel is run and timed
-    without it.) Extra arguments after
+    tile's writes of the buffer after these reads (the pipeline keeps a copy of the buffer per stage, which makes
+    it redundant at two stages: without it 1.298 ms against 1.345, the same outputs, run BD; it stays until the
+    CUDA tests have run without it). Extra arguments after
     dx_post: x_prev [T, n, C], f_prev [T, C], post_prev [T, n] f32, res_prev [T, n, n] f32; outputs dx_prev
     [T, n, C], df_prev [T, C], dphi_partial, coef_partial [T, ceil(C / block_c), n^2 + n] f32 (dH_res_p, then
     dH_post_p). Written to the lanes' dx tiles (BT x BC) one element per thread in the accumulator's layout,
     and compiled for sm_90 with 168 registers, no spills, 219136 bytes of shared memory in two stages.
+    On the H200 it gives the two kernels' dx_prev, df_prev and dphi bit for bit (row sums to 1.5e-7) and is
+    slower than the two together: 0.904 / 1.333 / 1.219 ms against 0.582 / 0.897 / 0.845 at 16384 x 2560,
+    16384 x 4096, 8192 x 7168 (run BC). Without its epilogue's row sums and outputs it takes 0.647 ms at
+    16384 x 4096 (run BD): the epilogue's instructions, not memory, hold it (Nsight Compute, run BF: about
+    1620 instructions per consumer warp and tile, issued on 35% of cycles with two warps per scheduler).
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;

@@ -598,7 +598,8 @@ def chaining_on_cuda(enabled: bool):
 # run_sites with the backward joined across sites: each post and the next site's pre are one op
 # (boundary_forward), whose backward runs kernel 2 of the pre with the post's backward in one kernel
 # (kernels/joined_backward.py), so the lanes' gradient between the two sites never goes through memory (38C per
-# chained site at n = 4 against 46C). Off: its CUDA kernel is built and not yet timed (kernel notes, section 7).
+# chained site at n = 4 against 46C). Off: on the H200 its CUDA kernel takes longer than the two kernels it joins
+# (1.33 against 0.90 ms at 16384 x 4096, run BC), bound by its epilogue's instructions (kernel notes, section 7).
 JOIN_SITES_BACKWARD = False
 
 
