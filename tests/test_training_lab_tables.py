@@ -207,3 +207,20 @@ def test_joined_h200_table_sets_each_variant_against_the_two_kernels_apart():
     assert lines[3].split()[-3:] == ["0.400", "0.80x", "X"] and "without the row sums" in lines[3]
     assert lines[4].split()[-2:] == ["0.050", "X"] and lines[5].split()[-2:] == ["0.020", "Y"]
     assert joined_h200_table({"sweeps": []}) == "(no recorded runs of the joined kernel)"
+
+
+def test_compare_kernel_times_splits_shared_and_own_kernels():
+    """The block breakdown's arithmetic on made-up kernel times: totals, the shared kernels' times on each side,
+    each side's own, the largest differences (other less base) and other's largest own kernels, in order."""
+    from mhc_lab.course.bench_training import compare_kernel_times
+
+    base = {"gemm": 10.0, "attention": 6.0, "add": 0.5}
+    other = {"gemm": 10.4, "attention": 5.9, "mhc_post": 0.8, "mhc_pre": 1.1}
+    c = compare_kernel_times(base, other, top=1)
+    assert c["base_ms"] == 16.5 and abs(c["other_ms"] - 18.2) < 1e-12
+    assert c["shared_base_ms"] == 16.0 and abs(c["shared_other_ms"] - 16.3) < 1e-12
+    assert c["only_base_ms"] == 0.5 and abs(c["only_other_ms"] - 1.9) < 1e-12
+    assert [r["kernel"] for r in c["largest_differences"]] == ["gemm"]
+    assert abs(c["largest_differences"][0]["ms"] - 0.4) < 1e-12
+    assert c["largest_own"] == [{"kernel": "mhc_pre", "ms": 1.1}]
+    assert compare_kernel_times(base, other)["largest_differences"][-1]["kernel"] == "attention"

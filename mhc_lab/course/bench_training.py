@@ -514,48 +514,56 @@ class _Block(nn.Module):
         return h
 
 
+BLOCK_KINDS = ("residual", "mhc_ours", "mhc_ours_chained", "mhc_ours_joined", "mhc_ours_recompute", "mhc_tilekernels",
+               "mhc_compiled")
+
+
+def _block_step(width: int, kind: str, batch: int, seq: int):
+    """One of BLOCK_KINDS as a training step (forward + backward of a fresh block on random lanes): step()."""
+    from mhc_lab.ops.training import chaining_on_cuda, join_sites_backward
+
+    # chained or not, joined or not; the others: the library's defaults (CHAIN_ON_CUDA, JOIN_SITES_BACKWARD)
+    how = {"mhc_ours": (False, False), "mhc_ours_chained": (True, False), "mhc_ours_joined": (True, True)}.get(kind)
+    torch.manual_seed(0)
+    connection = {"mhc_ours_recompute": "mhc_ours", "mhc_ours_chained": "mhc_ours",
+                  "mhc_ours_joined": "mhc_ours", "mhc_compiled": "mhc_reference"}.get(kind, kind)
+    block = _Block(width, width // 128, connection).cuda()
+    shape = (batch, seq, width) if kind == "residual" else (batch, seq, N, width)
+    h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    if kind == "mhc_ours_recompute":
+        import functools
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        from mhc_lab.ops.training import recompute_policy
+
+        context = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
+
+        def fn(h):
+            return checkpoint(block, h, use_reentrant=False, context_fn=context)
+    else:
+        fn = torch.compile(block) if kind == "mhc_compiled" else block
+
+    def step():
+        with contextlib.ExitStack() as options:
+            if how is not None:
+                options.enter_context(chaining_on_cuda(how[0]))
+                options.enter_context(join_sites_backward(how[1]))
+            fn(h).backward(g)
+
+    return step
+
+
 def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
     heads = width // 128
     out = {"C": width, "tokens": batch * seq, "batch": batch, "seq": seq, "heads": heads, "times_ms": {},
            "peak_gib": {}, "overhead_pct": {}, "errors": {}}
-    from mhc_lab.ops.training import chaining_on_cuda, join_sites_backward
-
-    kinds = ["residual", "mhc_ours", "mhc_ours_chained", "mhc_ours_joined", "mhc_ours_recompute", "mhc_tilekernels",
-             "mhc_compiled"]
-    # chained or not, joined or not; the others: the library's defaults (CHAIN_ON_CUDA, JOIN_SITES_BACKWARD)
-    chained = {"mhc_ours": (False, False), "mhc_ours_chained": (True, False), "mhc_ours_joined": (True, True)}
-    for kind in kinds:
+    for kind in BLOCK_KINDS:
         if kind == "mhc_tilekernels" and "tilekernels" in skip or kind == "mhc_compiled" and "compile" in skip:
             continue
         try:
-            torch.manual_seed(0)
-            connection = {"mhc_ours_recompute": "mhc_ours", "mhc_ours_chained": "mhc_ours",
-                          "mhc_ours_joined": "mhc_ours", "mhc_compiled": "mhc_reference"}.get(kind, kind)
-            block = _Block(width, heads, connection).cuda()
-            shape = (batch, seq, width) if kind == "residual" else (batch, seq, N, width)
-            h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-            if kind == "mhc_ours_recompute":
-                import functools
-
-                from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-                from mhc_lab.ops.training import recompute_policy
-
-                context = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
-
-                def fn(h, block=block):
-                    return checkpoint(block, h, use_reentrant=False, context_fn=context)
-            else:
-                fn = torch.compile(block) if kind == "mhc_compiled" else block
-
-            def step(fn=fn, h=h, g=g, how=chained.get(kind)):
-                with contextlib.ExitStack() as options:
-                    if how is not None:
-                        options.enter_context(chaining_on_cuda(how[0]))
-                        options.enter_context(join_sites_backward(how[1]))
-                    fn(h).backward(g)
-
+            step = _block_step(width, kind, batch, seq)
             step()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -565,7 +573,7 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
             out["peak_gib"][kind] = (torch.cuda.max_memory_allocated() - base) / 2**30
             out["times_ms"][kind] = bench(step, warmup_ms=100, rep_ms=500) * 1e3
             log(f"  block C={width} {kind:20s} {out['times_ms'][kind]:8.2f} ms  peak {out['peak_gib'][kind]:.2f} GiB")
-            del block, h, g
+            del step
         except Exception as e:  # noqa: BLE001
             out["errors"][kind] = repr(e)[:500]
             log(f"  block C={width} {kind:20s} FAILED {repr(e)[:300]}")
@@ -575,6 +583,63 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
         for kind, ms in out["times_ms"].items():
             if kind != "residual":
                 out["overhead_pct"][kind] = 100 * (ms / plain - 1)
+    return out
+
+
+def kernel_times(step, repeat: int = 5) -> dict:
+    """{kernel name: (GPU ms per step, launches per step)} of step(), from torch.profiler over ``repeat`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            step()
+        torch.cuda.synchronize()
+    return {e.key: (e.device_time_total / repeat / 1e3, e.count / repeat) for e in prof.key_averages()
+            if e.device_type.name == "CUDA"}
+
+
+def compare_kernel_times(base: dict, other: dict, top: int = 8) -> dict:
+    """Two steps' kernel times ({name: ms per step}) side by side: totals; the kernels both launch, each step's
+    time in them; the kernels only one launches; and the ``top`` largest differences among the shared ones
+    (other's time less base's) and the ``top`` largest of other's own."""
+    shared = base.keys() & other.keys()
+    differences = sorted(((other[k] - base[k], k) for k in shared), reverse=True)
+    own = sorted(((ms, k) for k, ms in other.items() if k not in base), reverse=True)
+    return {"base_ms": sum(base.values()), "other_ms": sum(other.values()),
+            "shared_base_ms": sum(base[k] for k in shared), "shared_other_ms": sum(other[k] for k in shared),
+            "only_base_ms": sum(ms for k, ms in base.items() if k not in other),
+            "only_other_ms": sum(ms for ms, _ in own),
+            "largest_differences": [{"kernel": k[:160], "ms": d} for d, k in differences[:top]],
+            "largest_own": [{"kernel": k[:160], "ms": ms} for ms, k in own[:top]]}
+
+
+def bench_block_kernels(width, bench, *, batch=4, seq=4096, kind="mhc_ours_chained", log=print) -> dict:
+    """Where a block's extra time goes: the plain residual block and ``kind`` each timed (wall clock per step,
+    launched op by op as the block benchmark runs them) and profiled, kernel by kernel. The wall time less the
+    kernels' is the time the GPU waited for the host or between kernels; the layers' kernels (launched by both)
+    show whether they run slower beside mHC's; mHC's own kernels are what the site benchmark times alone."""
+    out = {"C": width, "tokens": batch * seq, "kind": kind}
+    kernels = {}
+    for name in ("residual", kind):
+        step = _block_step(width, name, batch, seq)
+        step()
+        torch.cuda.synchronize()
+        times = kernel_times(step)
+        kernels[name] = {k: ms for k, (ms, _) in times.items()}
+        wall = bench(step, warmup_ms=100, rep_ms=500) * 1e3
+        busy = sum(kernels[name].values())
+        out[name] = {"wall_ms": wall, "kernel_ms": busy, "idle_ms": wall - busy,
+                     "launches": sum(count for _, count in times.values())}
+        log(f"  block C={width} {name:18s} {wall:7.2f} ms per step, {busy:7.2f} of kernels, "
+            f"{wall - busy:5.2f} idle, {out[name]['launches']:.0f} launches")
+        del step
+        torch.cuda.empty_cache()
+    out["comparison"] = compare_kernel_times(kernels["residual"], kernels[kind])
+    c = out["comparison"]
+    log(f"  block C={width}: the kernels both launch {c['shared_base_ms']:.2f} -> {c['shared_other_ms']:.2f} ms, "
+        f"{kind}'s own {c['only_other_ms']:.2f} ms, the residual's own {c['only_base_ms']:.2f} ms")
+    for row in c["largest_differences"][:4] + c["largest_own"][:6]:
+        log(f"    {row['ms']:+7.3f} ms  {row['kernel'][:90]}")
     return out
 
 
@@ -627,17 +692,11 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
     import io
     import pstats
 
-    from torch.profiler import ProfilerActivity, profile
-
     from mhc_lab.course import training_lab
 
-    def kernel_time(step, repeat=5):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(repeat):
-                step()
-            torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-        return (sum(e.device_time_total for e in events) / repeat / 1e3, sum(e.count for e in events) / repeat)
+    def kernel_time(step, repeat=5):  # GPU ms and launches per step
+        times = kernel_times(step, repeat).values()
+        return sum(ms for ms, _ in times), sum(count for _, count in times)
 
     def wall_ms(step, repeat):
         for _ in range(3):
@@ -705,7 +764,8 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep,host")
+    parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep,host,"
+                        "block_kernels (the plain and the chained block's kernels, side by side)")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
     parser.add_argument("--widths", default=",".join(str(c) for c in BLOCK_WIDTHS), help="block widths C")
     parser.add_argument("--skip", default="", help="comma-separated baselines to skip: eager,compile,tilekernels")
@@ -798,6 +858,12 @@ def main(argv=None) -> int:
         with configured():
             results["host"] = bench_host(256, 768)
         save()
+    if "block_kernels" in parts:
+        results["block_kernels"] = []
+        for w in args.widths.split(","):
+            with configured():
+                results["block_kernels"].append(bench_block_kernels(int(w), bench))
+            save()
     if "block" in parts:
         for w in args.widths.split(","):
             with configured():
