@@ -297,6 +297,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     from mhc_lab.kernels.pre_backward import (
         coef_width,
         dphi_from_partial,
+        dphi_partial_shape,
         gemm_depth,
         pre_backward_kernels,
         two_phase_coefficients,
@@ -370,7 +371,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
             _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                             **{**hashable_tuning(cfg), "lane_splits": splits})
             dx = torch.empty_like(x)
-            dphi_partial = torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
+            dphi_partial = torch.empty(dphi_partial_shape(splits, n, C), **f32)
             more = [dx_post] if add_dx else [dx_post, res_post] if post_grad else []
             args = (x, dy, dsplit, coef, phi, *more, dx, dphi_partial)
             lanes(*args)
@@ -397,7 +398,7 @@ def _previous_site_apart(x, dy, dsplit, coef, phi, dx_post, bench, log) -> dict:
     the joined one replaces give and take: kernel 2 with dx_post (its default tuning) writes dx, the post backward
     reads it as its g."""
     from mhc_lab.kernels.post_backward import post_backward_kernel
-    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, pre_backward_kernels
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, dphi_partial_shape, pre_backward_kernels
 
     tokens, n, C = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -408,7 +409,7 @@ def _previous_site_apart(x, dy, dsplit, coef, phi, dx_post, bench, log) -> dict:
     res_prev = torch.softmax(torch.randn((tokens, n, n), generator=gen, **f32), -1)
     splits = _training_ops._lane_splits(n, C, x.device, True)
     _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", add_dx=True, lane_splits=splits)
-    dx, dphi_partial = torch.empty_like(x), torch.empty((splits, 2 * gemm_depth(n), n * C), **f32)
+    dx, dphi_partial = torch.empty_like(x), torch.empty(dphi_partial_shape(splits, n, C), **f32)
     post = post_backward_kernel(n, C, "bfloat16", "cuda")
     dx_prev, df_prev = torch.empty_like(x), torch.empty_like(dy)
     dpost_prev, dres_prev = torch.empty((tokens, n), **f32), torch.empty((tokens, n, n), **f32)
@@ -433,7 +434,7 @@ def _time_joined(cfg, previous, x, dy, dsplit, coef, phi, dx_post, bench, log) -
     """The joined kernel (kernel 2 of this site with the post backward of the site before) timed alone, its
     outputs compared with the two kernels' apart (previous)."""
     from mhc_lab.kernels.joined_backward import coef_blocks, coefficients_from_partial
-    from mhc_lab.kernels.pre_backward import dphi_from_partial, gemm_depth, pre_backward_kernels
+    from mhc_lab.kernels.pre_backward import dphi_from_partial, dphi_partial_shape, pre_backward_kernels
 
     tokens, n, C = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -442,7 +443,7 @@ def _time_joined(cfg, previous, x, dy, dsplit, coef, phi, dx_post, bench, log) -
     _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", add_dx=True, lane_splits=row["token_splits"],
                                     joined=True, **tuning)
     dx_prev, df_prev = torch.empty_like(x), torch.empty_like(dy)
-    dphi_partial = torch.empty((row["token_splits"], 2 * gemm_depth(n), n * C), **f32)
+    dphi_partial = torch.empty(dphi_partial_shape(row["token_splits"], n, C), **f32)
     coef_partial = torch.empty((tokens, coef_blocks(C, "cuda", cfg.get("block_c")), n * n + n), **f32)
     args = (x, dy, dsplit, coef, phi, dx_post, *previous["operands"], dx_prev, df_prev, dphi_partial, coef_partial)
     lanes(*args)

@@ -1126,6 +1126,12 @@ def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad
     return good[0] if good else max(candidates, key=lambda s: (fullness(s), -s))
 
 
+def dphi_partial_shape(splits: int, n: int, C: int) -> tuple[int, int, int]:
+    """The shape of kernel 2's CUDA dphi output: one row block per token split, the dmix_hi and dmix_lo parts
+    (each padded to gemm_depth(n) rows), nC columns (dphi_from_partial sums it)."""
+    return splits, 2 * gemm_depth(n), n * C
+
+
 def dphi_from_partial(partial, n: int):
     """dphi [n^2+2n, nC] from kernel 2's CUDA output [splits, 2 gemm_depth(n), nC] (rows: the dmix_hi part,
     then the dmix_lo part, each padded): sum over splits and halves, in a fixed order, in one reduction that

@@ -267,7 +267,7 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
     dpost, dres = dpost.float().contiguous(), dres.float().contiguous()
     alloc = torch.empty if tokens else torch.zeros
     if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_backward import coef_width
+        from mhc_lab.kernels.pre_backward import coef_width, dphi_partial_shape
 
         splits = _lane_splits(n, C, x.device, add_dx or joined, post_grad)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
@@ -280,7 +280,7 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
             with torch.cuda.device(x.device):
                 coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit, dmix,
                              extra, dsplit, coef)
-        dphi_partial = alloc((splits, 2 * gemm_depth(n), n * C), **f32)
+        dphi_partial = alloc(dphi_partial_shape(splits, n, C), **f32)
         return lanes, (xc, dyc, dsplit, coef, phi32), dlogit, extra, dphi_partial
     coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=add_dx,
                                                post_grad=post_grad, joined=joined)
