@@ -1443,9 +1443,38 @@ def test_interleaved_rounds_time_every_implementation_in_turn_and_ratio_per_roun
         interleaved_rounds(replays, bench, 0)
 
 
-def test_training_benchmark_refuses_fewer_than_one_graph_round(capsys):
+@pytest.mark.parametrize("flag", ["--graph-rounds", "--block-rounds"])
+def test_training_benchmark_refuses_fewer_than_one_round(capsys, flag):
     from mhc_lab.course.bench_training import main
 
     with pytest.raises(SystemExit):
-        main(["--parts", "site", "--graph-rounds", "0"])
-    assert "--graph-rounds: expected an integer >= 1, got 0" in capsys.readouterr().err
+        main(["--parts", "site", flag, "0"])
+    assert f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_block_rounds_take_each_kinds_overhead_per_round(monkeypatch):
+    """The block benchmark's interleaved rounds (stand-in steps and timer): every kind timed once, then once per
+    round in turn; the overhead over the plain residual taken per round, its median, least and most."""
+    from mhc_lab.course import bench_training as bt
+
+    monkeypatch.setattr(bt, "BLOCK_KINDS", ("residual", "mhc_ours_chained"))
+    monkeypatch.setattr(bt, "_block_step", lambda width, kind, batch, seq: (lambda: kind))
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2**30)
+    order = []
+    seconds = {"residual": iter([10e-3, 10e-3, 11e-3, 12e-3]),
+               "mhc_ours_chained": iter([11.5e-3, 11e-3, 12.1e-3, 12.6e-3])}
+
+    def bench(fn, warmup_ms=25, rep_ms=100):
+        order.append(fn())
+        return next(seconds[order[-1]])
+
+    out = bt.bench_block(256, bench, rounds=3, log=lambda line: None)
+    assert order == ["residual", "mhc_ours_chained"] * 4
+    assert out["overhead_pct"]["mhc_ours_chained"] == pytest.approx(15.0)
+    assert out["rounds_ms"]["residual"] == pytest.approx([10.0, 11.0, 12.0])
+    o = out["overhead_pct_rounds"]["mhc_ours_chained"]
+    assert (o["median"], o["least"], o["most"]) == pytest.approx((10.0, 5.0, 10.0))
+    assert out["peak_gib"] == {"residual": 1.0, "mhc_ours_chained": 1.0}

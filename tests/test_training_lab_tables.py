@@ -222,5 +222,6 @@ def test_compare_kernel_times_splits_shared_and_own_kernels():
     assert c["only_base_ms"] == 0.5 and abs(c["only_other_ms"] - 1.9) < 1e-12
     assert [r["kernel"] for r in c["largest_differences"]] == ["gemm"]
     assert abs(c["largest_differences"][0]["ms"] - 0.4) < 1e-12
+    assert (c["largest_differences"][0]["base_ms"], c["largest_differences"][0]["other_ms"]) == (10.0, 10.4)
     assert c["largest_own"] == [{"kernel": "mhc_pre", "ms": 1.1}]
     assert compare_kernel_times(base, other)["largest_differences"][-1]["kernel"] == "attention"

@@ -18,7 +18,11 @@ TileKernels per round, its median, least and most: a ratio near a target reads b
 Block (pre-norm causal attention + 4C GELU MLP, bf16, 4 sequences x 4096 tokens): forward + backward of one
 block with a plain residual and with mHC around each of its two sub-layers (ours as linked sites, ours as
 chained sites where the first post projects for the second pre, ours with the mHC ops recomputed in
-backward, TileKernels, torch.compile of the reference), with peak memory above the inputs.
+backward, TileKernels, torch.compile of the reference), with peak memory above the inputs. --block-rounds K
+times the blocks again in K interleaved rounds and records each kind's overhead per round and its median.
+Block kernels (part "block_kernels"): the plain and the chained block profiled kernel by kernel, and the chained
+block's connections with identities for layers, to say where the block's extra time goes. Behind GEMMs (part
+"behind_gemms"): the chained site's kernels profiled alone and behind matmuls that bring the GPU to its power cap.
 Host (part "host", not in the default parts): what the host costs per site, at a small shape where the GPU's
 work is tiny, and lab 07's model's step against the GPU time of its kernels (bench_host).
 Results go to mhc_lab/recorded/training_h200.json unless --no-save.
@@ -519,8 +523,10 @@ BLOCK_KINDS = ("residual", "mhc_ours", "mhc_ours_chained", "mhc_ours_joined", "m
                "mhc_compiled")
 
 
-def _block_step(width: int, kind: str, batch: int, seq: int):
-    """One of BLOCK_KINDS as a training step (forward + backward of a fresh block on random lanes): step()."""
+def _block_step(width: int, kind: str, batch: int, seq: int, layers: bool = True):
+    """One of BLOCK_KINDS as a training step (forward + backward of a fresh block on random lanes): step().
+    With layers=False the block's attention and MLP are identities: its connections' kernels alone, at the
+    block's shapes and in its order."""
     from mhc_lab.ops.training import chaining_on_cuda, join_sites_backward
 
     # chained or not, joined or not; the others: the library's defaults (CHAIN_ON_CUDA, JOIN_SITES_BACKWARD)
@@ -529,6 +535,8 @@ def _block_step(width: int, kind: str, batch: int, seq: int):
     connection = {"mhc_ours_recompute": "mhc_ours", "mhc_ours_chained": "mhc_ours",
                   "mhc_ours_joined": "mhc_ours", "mhc_compiled": "mhc_reference"}.get(kind, kind)
     block = _Block(width, width // 128, connection).cuda()
+    if not layers:
+        block.layers = nn.ModuleList(nn.Identity() for _ in block.layers)
     shape = (batch, seq, width) if kind == "residual" else (batch, seq, N, width)
     h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -556,10 +564,15 @@ def _block_step(width: int, kind: str, batch: int, seq: int):
     return step
 
 
-def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
+def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: int = 1) -> dict:
+    """Each of BLOCK_KINDS' training step timed, with its peak memory; with rounds > 1 the steps are then timed
+    again in that many interleaved rounds (rounds_ms), each kind's overhead over the plain residual taken per
+    round and its median recorded (overhead_pct_rounds), so that a drift of the GPU between kinds reaches both
+    sides of each ratio."""
     heads = width // 128
     out = {"C": width, "tokens": batch * seq, "batch": batch, "seq": seq, "heads": heads, "times_ms": {},
            "peak_gib": {}, "overhead_pct": {}, "errors": {}}
+    kept = {}  # the steps, for the interleaved rounds
     for kind in BLOCK_KINDS:
         if kind == "mhc_tilekernels" and "tilekernels" in skip or kind == "mhc_compiled" and "compile" in skip:
             continue
@@ -574,16 +587,31 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print) -> dict:
             out["peak_gib"][kind] = (torch.cuda.max_memory_allocated() - base) / 2**30
             out["times_ms"][kind] = bench(step, warmup_ms=100, rep_ms=500) * 1e3
             log(f"  block C={width} {kind:20s} {out['times_ms'][kind]:8.2f} ms  peak {out['peak_gib'][kind]:.2f} GiB")
+            if rounds > 1:
+                kept[kind] = step
             del step
         except Exception as e:  # noqa: BLE001
             out["errors"][kind] = repr(e)[:500]
             log(f"  block C={width} {kind:20s} FAILED {repr(e)[:300]}")
-        torch.cuda.empty_cache()
+        if not kept:
+            torch.cuda.empty_cache()
     plain = out["times_ms"].get("residual")
     if plain:
         for kind, ms in out["times_ms"].items():
             if kind != "residual":
                 out["overhead_pct"][kind] = 100 * (ms / plain - 1)
+    if kept:
+        out["rounds_ms"] = interleaved_rounds(kept, lambda fn: bench(fn, warmup_ms=100, rep_ms=500), rounds)
+        kept.clear()
+        torch.cuda.empty_cache()
+        out["overhead_pct_rounds"] = {}
+        for kind in out["rounds_ms"]:
+            ratio = round_ratios(out["rounds_ms"], ours=kind, base="residual")
+            if kind != "residual" and ratio:
+                out["overhead_pct_rounds"][kind] = {k: 100 * (v - 1) for k, v in ratio.items() if k != "ratios"}
+                o = out["overhead_pct_rounds"][kind]
+                log(f"  block C={width} {kind:20s} over {rounds} interleaved rounds: median {o['median']:+.1f}% "
+                    f"({o['least']:+.1f}% to {o['most']:+.1f}%)")
     return out
 
 
@@ -610,7 +638,8 @@ def compare_kernel_times(base: dict, other: dict, top: int = 8) -> dict:
             "shared_base_ms": sum(base[k] for k in shared), "shared_other_ms": sum(other[k] for k in shared),
             "only_base_ms": sum(ms for k, ms in base.items() if k not in other),
             "only_other_ms": sum(ms for ms, _ in own),
-            "largest_differences": [{"kernel": k[:160], "ms": d} for d, k in differences[:top]],
+            "largest_differences": [{"kernel": k[:160], "ms": d, "base_ms": base[k], "other_ms": other[k]}
+                                    for d, k in differences[:top]],
             "largest_own": [{"kernel": k[:160], "ms": ms} for ms, k in own[:top]]}
 
 
@@ -618,20 +647,25 @@ def bench_block_kernels(width, bench, *, batch=4, seq=4096, kind="mhc_ours_chain
     """Where a block's extra time goes: the plain residual block and ``kind`` each timed (wall clock per step,
     launched op by op as the block benchmark runs them) and profiled, kernel by kernel. The wall time less the
     kernels' is the time the GPU waited for the host or between kernels; the layers' kernels (launched by both)
-    show whether they run slower beside mHC's; mHC's own kernels are what the site benchmark times alone."""
-    out = {"C": width, "tokens": batch * seq, "kind": kind}
+    show whether they run slower beside mHC's; mHC's own kernels are what the site benchmark times alone. Then
+    ``kind`` with identities for layers (its connections alone, at the block's shapes): its kernels against
+    the same kernels inside the block show what the layers between them cost mHC's kernels (a cold L2, lower
+    clocks after the GEMMs)."""
+    out = {"C": width, "tokens": batch * seq, "kind": kind, "kernels": {}}
     kernels = {}
-    for name in ("residual", kind):
-        step = _block_step(width, name, batch, seq)
+    sites_alone = f"{kind} without layers"
+    for name, layers in (("residual", True), (kind, True), (sites_alone, False)):
+        step = _block_step(width, name if layers else kind, batch, seq, layers=layers)
         step()
         torch.cuda.synchronize()
         times = kernel_times(step)
         kernels[name] = {k: ms for k, (ms, _) in times.items()}
+        out["kernels"][name] = {k[:160]: {"ms": ms, "launches": count} for k, (ms, count) in times.items()}
         wall = bench(step, warmup_ms=100, rep_ms=500) * 1e3
         busy = sum(kernels[name].values())
         out[name] = {"wall_ms": wall, "kernel_ms": busy, "idle_ms": wall - busy,
                      "launches": sum(count for _, count in times.values())}
-        log(f"  block C={width} {name:18s} {wall:7.2f} ms per step, {busy:7.2f} of kernels, "
+        log(f"  block C={width} {name:34s} {wall:7.2f} ms per step, {busy:7.2f} of kernels, "
             f"{wall - busy:5.2f} idle, {out[name]['launches']:.0f} launches")
         del step
         torch.cuda.empty_cache()
@@ -641,6 +675,68 @@ def bench_block_kernels(width, bench, *, batch=4, seq=4096, kind="mhc_ours_chain
         f"{kind}'s own {c['only_other_ms']:.2f} ms, the residual's own {c['only_base_ms']:.2f} ms")
     for row in c["largest_differences"][:4] + c["largest_own"][:6]:
         log(f"    {row['ms']:+7.3f} ms  {row['kernel'][:90]}")
+    own = {k: ms for k, ms in kernels[kind].items() if k not in kernels["residual"]}
+    out["own_against_alone"] = compare_kernel_times(kernels[sites_alone], own, top=12)
+    c = out["own_against_alone"]
+    log(f"  block C={width}: {kind}'s own kernels {c['shared_other_ms']:.3f} ms in the block, "
+        f"{c['shared_base_ms']:.3f} ms without layers; kernels only in the block {c['only_other_ms']:.3f} ms, "
+        f"only without layers {c['only_base_ms']:.3f} ms")
+    for row in c["largest_differences"]:
+        log(f"    {row['ms']:+7.3f} ms  {row['other_ms']:7.3f} in the block, {row['base_ms']:7.3f} without layers  "
+            f"{row['kernel'][:70]}")
+    return out
+
+
+def sm_clock_mhz() -> int | None:
+    """The GPU's SM clock now, from nvidia-smi (None where it cannot be read)."""
+    import subprocess
+
+    try:
+        got = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+                              f"--id={torch.cuda.current_device()}"], capture_output=True, text=True, timeout=10)
+        return int(got.stdout.split()[0])
+    except Exception:  # noqa: BLE001 - no nvidia-smi, or output not as expected: no reading
+        return None
+
+
+def bench_behind_gemms(tokens, C, *, gemm: int = 8192, gemms: int = 8, repeat: int = 20, log=print) -> dict:
+    """The chained site's kernels (forward + backward, F = identity) profiled alone and behind ``gemms`` bf16
+    matmuls of ``gemm`` x ``gemm`` before each step: the state a training step leaves the GPU in (its power
+    near the cap, its SM clock lowered) without its other kernels. A kernel that streams at its bytes' pace keeps
+    its time; one that issues near its SMs' limit takes longer as their clock falls."""
+    (x, phi, bias, alpha), leaves, g = _site_operands(tokens, C)
+    site = _site_impls({"tilekernels"})[0]["ours_chained"]
+
+    def step():
+        torch.autograd.grad(site(*leaves), leaves, g)
+
+    a, b = (torch.randn(gemm, gemm, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def loaded():
+        for _ in range(gemms):
+            a @ b
+        step()
+
+    gemm_names = set(kernel_times(lambda: a @ b, repeat=1))
+    for _ in range(3):  # compiled
+        step()
+    torch.cuda.synchronize()
+    time.sleep(2)  # the GPU's power and clock back to idle
+    alone = {k: ms for k, (ms, _) in kernel_times(step, repeat).items()}
+    clock_alone = sm_clock_mhz()
+    for _ in range(repeat):  # the GPU brought to its loaded state
+        loaded()
+    behind = {k: ms for k, (ms, _) in kernel_times(loaded, repeat).items() if k not in gemm_names}
+    clock_behind = sm_clock_mhz()
+    out = {"tokens": tokens, "C": C, "gemm": gemm, "gemms_per_step": gemms, "repeat": repeat,
+           "sm_clock_mhz_after": {"alone": clock_alone, "behind_gemms": clock_behind},
+           "comparison": compare_kernel_times(alone, behind, top=16)}
+    c = out["comparison"]
+    log(f"  site {tokens}x{C} chained: its kernels {c['shared_base_ms']:.3f} ms alone (SM clock after: "
+        f"{clock_alone} MHz), {c['shared_other_ms']:.3f} behind {gemms} GEMMs of {gemm}^3 per step ({clock_behind} MHz)")
+    for row in c["largest_differences"]:
+        log(f"    {row['ms']:+7.3f} ms  {row['other_ms']:7.3f} behind GEMMs, {row['base_ms']:7.3f} alone  "
+            f"{row['kernel'][:70]}")
     return out
 
 
@@ -766,7 +862,8 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep,host,"
-                        "block_kernels (the plain and the chained block's kernels, side by side)")
+                        "block_kernels (the plain and the chained block's kernels, side by side),behind_gemms (the chained "
+                        "site's kernels alone and behind GEMMs, at --shapes)")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
     parser.add_argument("--widths", default=",".join(str(c) for c in BLOCK_WIDTHS), help="block widths C")
     parser.add_argument("--skip", default="", help="comma-separated baselines to skip: eager,compile,tilekernels")
@@ -789,9 +886,13 @@ def main(argv=None) -> int:
     parser.add_argument("--coefficient-phases", default=None, choices=("fused", "split", "spread"),
                         help="the pre backward's kernel 1 for the parts site, block and host (mhc_lab.ops.training."
                         "coefficient_phases; recorded as coefficient_phases)")
+    parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "
+                        "many interleaved rounds (recorded as rounds_ms, with each kind's overhead over the plain "
+                        "residual per round and its median, overhead_pct_rounds)")
     args = parser.parse_args(argv)
-    if args.graph_rounds < 1:
-        parser.error(f"--graph-rounds: expected an integer >= 1, got {args.graph_rounds}")
+    for flag in ("graph_rounds", "block_rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
     import contextlib
     import json
 
@@ -859,6 +960,13 @@ def main(argv=None) -> int:
         with configured():
             results["host"] = bench_host(256, 768)
         save()
+    if "behind_gemms" in parts:
+        results["behind_gemms"] = []
+        for sh in args.shapes.split(","):
+            tokens, C = (int(v) for v in sh.split("x"))
+            with configured():
+                results["behind_gemms"].append(bench_behind_gemms(tokens, C))
+            save()
     if "block_kernels" in parts:
         results["block_kernels"] = []
         for w in args.widths.split(","):
@@ -868,7 +976,7 @@ def main(argv=None) -> int:
     if "block" in parts:
         for w in args.widths.split(","):
             with configured():
-                results["block"].append(bench_block(int(w), bench, skip=skip))
+                results["block"].append(bench_block(int(w), bench, skip=skip, rounds=args.block_rounds))
             save()
     results["wall_s"] = round(time.time() - t0, 1)
     path = save(final=True)
