@@ -225,3 +225,75 @@ def test_compare_kernel_times_splits_shared_and_own_kernels():
     assert (c["largest_differences"][0]["base_ms"], c["largest_differences"][0]["other_ms"]) == (10.0, 10.4)
     assert c["largest_own"] == [{"kernel": "mhc_pre", "ms": 1.1}]
     assert compare_kernel_times(base, other)["largest_differences"][-1]["kernel"] == "attention"
+
+
+def _made_up_comparison(base: dict, other: dict) -> dict:
+    from mhc_lab.course.bench_training import compare_kernel_times
+
+    return compare_kernel_times(base, other, top=16)
+
+
+def test_behind_gemms_table_orders_kernels_by_their_time_alone_with_the_ratio():
+    from mhc_lab.course.training_lab import behind_gemms_table
+
+    alone = {"lanes_backward_kernel": 0.5, "mix_lanes_kernel": 0.2, "void at::native::reduce_kernel<128, 4>": 0.03}
+    behind = {"lanes_backward_kernel": 0.65, "mix_lanes_kernel": 0.2, "void at::native::reduce_kernel<128, 4>": 0.03}
+    results = {"behind_gemms": {"shapes": [{"tokens": 128, "C": 64, "comparison": _made_up_comparison(alone, behind)}]}}
+    lines = behind_gemms_table(results, top=2).splitlines()
+    assert lines[0] == "128 x 64: all its kernels 0.730 ms alone, 0.880 behind GEMMs"
+    assert lines[1].split() == ["lanes_backward", "0.500", "alone", "0.650", "behind", "(1.30x)"]
+    assert lines[2].split()[0] == "mix_lanes" and len(lines) == 3
+    assert behind_gemms_table({}) == "(no runs behind GEMMs recorded)"
+
+
+def test_block_breakdown_table_sets_the_blocks_and_the_connections_alone_side_by_side():
+    from mhc_lab.course.training_lab import block_breakdown_table, kernel_label
+
+    plain = {"gemm": 10.0, "add": 0.5}
+    chained = {"gemm": 10.2, "add": 0.3, "lanes_kernel": 1.2, "post_kernel": 0.3}
+    alone = {"lanes_kernel": 1.0, "post_kernel": 0.3, "add": 0.1}
+    own = {k: v for k, v in chained.items() if k not in plain}
+    rows = {"residual": {"wall_ms": 12.0, "kernel_ms": 10.5, "idle_ms": 1.5, "launches": 10},
+            "k": {"wall_ms": 13.0, "kernel_ms": 12.0, "idle_ms": 1.0, "launches": 14},
+            "k without layers": {"wall_ms": 1.5, "kernel_ms": 1.4, "idle_ms": 0.1, "launches": 5}}
+    entry = {"C": 64, "tokens": 128, "kind": "k", **rows, "comparison": _made_up_comparison(plain, chained),
+             "own_against_alone": _made_up_comparison(alone, own)}
+    lines = block_breakdown_table({"block_kernels": {"X": [entry]}}, run="X").splitlines()
+    assert lines[1].split()[-4:] == ["12.00", "10.50", "1.50", "10"]
+    assert lines[2].split()[-4:] == ["13.00", "12.00", "1.00", "14"] and lines[3].startswith("  chained, identity")
+    assert "10.50 ms plain, 10.50 chained; mHC's own 1.50 ms" in lines[4]
+    assert "1.500 ms in the block, 1.300 with identity layers" in lines[5]
+    assert lines[6].split()[0] == "lanes" and lines[6].endswith("(1.20x)")
+    assert block_breakdown_table({}, run="X") == "(no block breakdown recorded for run X)"
+    assert kernel_label("void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float>>") == "torch reduce_kernel"
+
+
+def test_block_rounds_table_gives_each_kinds_median_and_range():
+    from mhc_lab.course.training_lab import block_rounds_table
+
+    block = {"C": 64, "rounds_ms": {"residual": [10.0, 11.0, 12.0]},
+             "overhead_pct_rounds": {"mhc_ours_chained": {"median": 10.0, "least": 5.0, "most": 12.5}}}
+    lines = block_rounds_table({"block_rounds": [{"run": "X", "block": [block]}]}).splitlines()
+    assert lines[0] == "run X, C = 64, 3 rounds (plain residual 11.00 ms, median):"
+    assert lines[1].split()[-6:] == ["median", "+10.0%", "rounds", "+5.0%", "to", "+12.5%"]
+    assert block_rounds_table({}) == "(no block runs in rounds recorded)"
+
+
+def test_recorded_block_breakdown_names_the_kernels_the_power_cap_slows():
+    """The recording behind lab 07's section 5.1: with identity layers and alone at the full clock, kernel 2 and
+    the post + projection are the kernels that take longer beside the layers and behind GEMMs."""
+    results = training_lab.load_recorded()["results"]
+    behind = training_lab.behind_gemms_table(results).splitlines()
+    slow = [line for line in behind if line.startswith("  ") and float(line.split("(")[-1].rstrip("x)")) > 1.15]
+    assert {line.split()[0] for line in slow} == {"lanes_backward_cuda_post_grad", "post_project_cuda"}
+    assert "lanes_backward_cuda_post_grad" in training_lab.block_breakdown_table(results).splitlines()[5 + 1]
+    assert "run BM, C = 4096" in training_lab.block_rounds_table(results)
+
+
+def test_block_table_gives_the_rounds_median_where_the_run_timed_rounds():
+    row = {"C": 64, "tokens": 128, "times_ms": {"residual": 10.0, "mhc_ours_chained": 11.5}, "peak_gib": {},
+           "rounds_ms": {"residual": [10.0, 11.0, 12.0], "mhc_ours_chained": [11.0, 12.1, 12.6]},
+           "overhead_pct_rounds": {"mhc_ours_chained": {"median": 10.0, "least": 5.0, "most": 10.0}}}
+    lines = training_lab.block_table({"block": [row]}).splitlines()
+    assert lines[1].endswith("peak -") and "rounds" not in lines[1]
+    assert lines[2].endswith("3 rounds: median +10.0%") and "+15.0%" in lines[2]

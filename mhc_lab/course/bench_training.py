@@ -555,6 +555,10 @@ def _block_step(width: int, kind: str, batch: int, seq: int, layers: bool = True
         fn = torch.compile(block) if kind == "mhc_compiled" else block
 
     def step():
+        # as a training loop's zero_grad(set_to_none=True): each step's gradients are written, not added to the
+        # last step's (which cost every block an add per weight, and mHC's lanes an add of 12C per token)
+        h.grad = None
+        block.zero_grad(set_to_none=True)
         with contextlib.ExitStack() as options:
             if how is not None:
                 options.enter_context(chaining_on_cuda(how[0]))
@@ -729,11 +733,14 @@ def bench_behind_gemms(tokens, C, *, gemm: int = 8192, gemms: int = 8, repeat: i
     behind = {k: ms for k, (ms, _) in kernel_times(loaded, repeat).items() if k not in gemm_names}
     clock_behind = sm_clock_mhz()
     out = {"tokens": tokens, "C": C, "gemm": gemm, "gemms_per_step": gemms, "repeat": repeat,
+           # read once after each profile; the clock recovers within a fraction of a second once the GPU idles,
+           # so these bound it from above (an nvidia-smi trace beside the run shows it throughout)
            "sm_clock_mhz_after": {"alone": clock_alone, "behind_gemms": clock_behind},
            "comparison": compare_kernel_times(alone, behind, top=16)}
     c = out["comparison"]
     log(f"  site {tokens}x{C} chained: its kernels {c['shared_base_ms']:.3f} ms alone (SM clock after: "
-        f"{clock_alone} MHz), {c['shared_other_ms']:.3f} behind {gemms} GEMMs of {gemm}^3 per step ({clock_behind} MHz)")
+        f"{clock_alone} MHz), {c['shared_other_ms']:.3f} behind {gemms} GEMMs of {gemm}^3 per step "
+        f"({clock_behind} MHz)")
     for row in c["largest_differences"]:
         log(f"    {row['ms']:+7.3f} ms  {row['other_ms']:7.3f} behind GEMMs, {row['base_ms']:7.3f} alone  "
             f"{row['kernel'][:70]}")
@@ -862,8 +869,8 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep,host,"
-                        "block_kernels (the plain and the chained block's kernels, side by side),behind_gemms (the chained "
-                        "site's kernels alone and behind GEMMs, at --shapes)")
+                        "block_kernels (the plain and the chained block's kernels, side by side),behind_gemms "
+                        "(the chained site's kernels alone and behind GEMMs, at --shapes)")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
     parser.add_argument("--widths", default=",".join(str(c) for c in BLOCK_WIDTHS), help="block widths C")
     parser.add_argument("--skip", default="", help="comma-separated baselines to skip: eager,compile,tilekernels")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import statistics
 from typing import Callable, Sequence
 
 import torch
@@ -839,6 +840,9 @@ def _block_line(r: dict, key: str, label: str, note: str = "") -> str:
     o = _block_overhead(r, key)
     o_text = f"{o:+.1f}%" if isinstance(o, (int, float)) else ""
     p_text = f"{peak[key]:.2f} GiB" if isinstance(peak.get(key), (int, float)) else "-"
+    rounds = (r.get("overhead_pct_rounds") or {}).get(key)
+    if rounds:
+        note = f"   {len(r['rounds_ms'][key])} rounds: median {rounds['median']:+.1f}%{note}"
     return f"  {label:<26}{_ms(times.get(key), ' ms'):>12}  {o_text:>8}   peak {p_text}{note}"
 
 
@@ -852,7 +856,8 @@ def _latest_repeat_with(results: dict, C, key: str):
 
 
 def block_table(results: dict) -> str:
-    """A transformer block, forward + backward: time, overhead over the plain residual, peak memory. torch.compile,
+    """A transformer block, forward + backward: time, overhead over the plain residual, peak memory, and where the
+    run timed the blocks in interleaved rounds the median of the rounds' overheads. torch.compile,
     where the main run skipped it (minutes of compiling per width), from the latest run that timed it, against
     that run's own plain residual."""
     rows = (results or {}).get("block") or []
@@ -871,6 +876,74 @@ def block_table(results: dict) -> str:
             lines.append(_block_line(other, "mhc_compiled", BLOCK_IMPLEMENTATIONS["mhc_compiled"],
                                      f"   (run {run}, against its own plain residual)"))
     return "\n".join(lines)
+
+
+def kernel_label(name: str) -> str:
+    """A profiler's kernel name, short: ours without the "_kernel" suffix, PyTorch's by its function name."""
+    if name.startswith("void at::native::"):
+        return "torch " + name[len("void at::native::"):].split("<")[0]
+    return name.removesuffix("_kernel")
+
+
+def block_rounds_table(results: dict | None) -> str:
+    """The recorded blocks in interleaved rounds (block_rounds): per run and width, each kind's overhead over
+    the plain residual per round, its median, least and most."""
+    lines = []
+    for entry in (results or {}).get("block_rounds") or []:
+        for r in entry.get("block") or []:
+            rounds = r.get("overhead_pct_rounds") or {}
+            if not rounds:
+                continue
+            lines.append(f"run {entry.get('run', '?')}, C = {r['C']}, {len(r['rounds_ms']['residual'])} rounds "
+                         f"(plain residual {statistics.median(r['rounds_ms']['residual']):.2f} ms, median):")
+            for key, o in rounds.items():
+                lines.append(f"  {BLOCK_IMPLEMENTATIONS.get(key, key):<26}median {o['median']:+5.1f}%   "
+                             f"rounds {o['least']:+5.1f}% to {o['most']:+5.1f}%")
+    return "\n".join(lines) if lines else "(no block runs in rounds recorded)"
+
+
+def block_breakdown_table(results: dict | None, run: str = "BJ", top: int = 4) -> str:
+    """The recorded block breakdown (block_kernels, one run): per width the plain, the chained block and its
+    connections alone (identity layers): wall time per step, kernel time, the rest (the GPU idle); then the
+    chained block's own kernels that take longest beside the layers against the same kernels without them."""
+    entry = ((results or {}).get("block_kernels") or {}).get(run) or []
+    lines = []
+    for r in entry:
+        kind = r["kind"]
+        lines.append(f"C = {r['C']}, {r['tokens']} tokens{'':14}{'wall ms':>9}{'kernels':>9}{'idle':>7}"
+                     f"{'launches':>10}")
+        for name in ("residual", kind, f"{kind} without layers"):
+            row = r.get(name)
+            if row:
+                label = {"residual": "plain residual", kind: "chained mHC"}.get(name, "chained, identity layers")
+                lines.append(f"  {label:<35}{row['wall_ms']:>9.2f}{row['kernel_ms']:>9.2f}{row['idle_ms']:>7.2f}"
+                             f"{row['launches']:>10.0f}")
+        c, a = r["comparison"], r.get("own_against_alone") or {}
+        lines.append(f"  the kernels both blocks launch: {c['shared_base_ms']:.2f} ms plain, "
+                     f"{c['shared_other_ms']:.2f} chained; mHC's own {c['only_other_ms']:.2f} ms")
+        if a:
+            lines.append(f"  mHC's own kernels: {a['shared_other_ms']:.3f} ms in the block, {a['shared_base_ms']:.3f} "
+                         "with identity layers; the largest differences:")
+            for d in a["largest_differences"][:top]:
+                lines.append(f"    {kernel_label(d['kernel'])[:38]:<38}{d['other_ms']:>7.3f} in the block "
+                             f"{d['base_ms']:>7.3f} without layers ({d['other_ms'] / d['base_ms']:.2f}x)")
+    return "\n".join(lines) if lines else f"(no block breakdown recorded for run {run})"
+
+
+def behind_gemms_table(results: dict | None, top: int = 5) -> str:
+    """The recorded chained site's kernels alone and behind GEMMs (behind_gemms): per shape the ``top`` kernels
+    by time alone, with their time behind the GEMMs and the ratio."""
+    entry = (results or {}).get("behind_gemms") or {}
+    lines = []
+    for r in entry.get("shapes") or []:
+        c = r["comparison"]
+        lines.append(f"{r['tokens']} x {r['C']}: all its kernels {c['shared_base_ms']:.3f} ms alone, "
+                     f"{c['shared_other_ms']:.3f} behind GEMMs")
+        rows = sorted(c["largest_differences"], key=lambda d: -d["base_ms"])[:top]
+        for d in rows:
+            lines.append(f"  {kernel_label(d['kernel'])[:38]:<38}{d['base_ms']:>7.3f} alone {d['other_ms']:>7.3f} "
+                         f"behind ({d['other_ms'] / d['base_ms']:.2f}x)")
+    return "\n".join(lines) if lines else "(no runs behind GEMMs recorded)"
 
 
 def block_figure(results: dict, label: str):
