@@ -647,6 +647,13 @@ def compare_kernel_times(base: dict, other: dict, top: int = 8) -> dict:
             "largest_own": [{"kernel": k[:160], "ms": ms} for ms, k in own[:top]]}
 
 
+def _log_differences(comparison: dict, other: str, base: str, log) -> None:
+    """compare_kernel_times' largest differences, one line each: the difference, both times, the kernel."""
+    for row in comparison["largest_differences"]:
+        log(f"    {row['ms']:+7.3f} ms  {row['other_ms']:7.3f} {other}, {row['base_ms']:7.3f} {base}  "
+            f"{row['kernel'][:70]}")
+
+
 def bench_block_kernels(width, bench, *, batch=4, seq=4096, kind="mhc_ours_chained", log=print) -> dict:
     """Where a block's extra time goes: the plain residual block and ``kind`` each timed (wall clock per step,
     launched op by op as the block benchmark runs them) and profiled, kernel by kernel. The wall time less the
@@ -685,9 +692,7 @@ def bench_block_kernels(width, bench, *, batch=4, seq=4096, kind="mhc_ours_chain
     log(f"  block C={width}: {kind}'s own kernels {c['shared_other_ms']:.3f} ms in the block, "
         f"{c['shared_base_ms']:.3f} ms without layers; kernels only in the block {c['only_other_ms']:.3f} ms, "
         f"only without layers {c['only_base_ms']:.3f} ms")
-    for row in c["largest_differences"]:
-        log(f"    {row['ms']:+7.3f} ms  {row['other_ms']:7.3f} in the block, {row['base_ms']:7.3f} without layers  "
-            f"{row['kernel'][:70]}")
+    _log_differences(c, "in the block", "without layers", log)
     return out
 
 
@@ -741,9 +746,7 @@ def bench_behind_gemms(tokens, C, *, gemm: int = 8192, gemms: int = 8, repeat: i
     log(f"  site {tokens}x{C} chained: its kernels {c['shared_base_ms']:.3f} ms alone (SM clock after: "
         f"{clock_alone} MHz), {c['shared_other_ms']:.3f} behind {gemms} GEMMs of {gemm}^3 per step "
         f"({clock_behind} MHz)")
-    for row in c["largest_differences"]:
-        log(f"    {row['ms']:+7.3f} ms  {row['other_ms']:7.3f} behind GEMMs, {row['base_ms']:7.3f} alone  "
-            f"{row['kernel'][:70]}")
+    _log_differences(c, "behind GEMMs", "alone", log)
     return out
 
 
