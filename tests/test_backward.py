@@ -1478,3 +1478,17 @@ def test_block_rounds_take_each_kinds_overhead_per_round(monkeypatch):
     o = out["overhead_pct_rounds"]["mhc_ours_chained"]
     assert (o["median"], o["least"], o["most"]) == pytest.approx((10.0, 5.0, 10.0))
     assert out["peak_gib"] == {"residual": 1.0, "mhc_ours_chained": 1.0}
+
+
+def test_post_project_wait_sets_the_fused_kernels_waits_within_its_block():
+    """post_project_wait: the fused post + projection's gemm_wait within the block, the default after it, and a
+    clear error for a value the kernel does not take."""
+    from mhc_lab.ops import training as tr
+
+    assert tr.POST_PROJECT_WAIT == "each"
+    with tr.post_project_wait("once"):
+        assert tr.POST_PROJECT_WAIT == "once"
+    assert tr.POST_PROJECT_WAIT == "each"
+    with pytest.raises(InputError, match="post_project_wait: expected one of each, once, got 'later'"):
+        with tr.post_project_wait("later"):
+            pass

@@ -220,6 +220,8 @@ def test_post_project_refuses_what_it_cannot_run():
         post_project_program(8, 64, "bfloat16", "sm_90", block_k=64, stages=2)
     with pytest.raises(ValueError, match=r"leave_out takes a prefix of .*, got \('phi',\)"):
         post_project_program(4, 64, "bfloat16", "sm_90", leave_out=("phi",))
+    with pytest.raises(ValueError, match="gemm_wait must be one of each, once, got 'never'"):
+        post_project_program(4, 64, "float32", "c", gemm_wait="never")
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
@@ -239,10 +241,26 @@ def test_post_project_builds_for_sm90(n, C):
         assert len(re.findall(r"= \*\(uint2\*\)\(\(\(bfloat16_t\*\)", src)) == n + 1
 
 
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
+@pytest.mark.parametrize("n,C", [(4, 4096), (2, 200)])
+def test_post_project_waits_once_for_its_products_with_gemm_wait_once(n, C):
+    """gemm_wait "once": the n lanes' products issued without a wait each, one wait per column block, and phi's
+    stages released after it (their mbarrier arrives follow the wait in the generated code)."""
+    from mhc_lab.kernels.post_project import post_project_kernel
+
+    each = post_project_kernel(n, C, "bfloat16", "sm_90").get_kernel_source()
+    once = post_project_kernel(n, C, "bfloat16", "sm_90", gemm_wait="once").get_kernel_source()
+    assert "wait_wgmma" not in each and once.count("wait_wgmma<0>") == 1
+    assert each.count("wgmma_ss<") == once.count("wgmma_ss<") == n
+    loop_tail = once[once.index("wait_wgmma<0>"):]
+    assert loop_tail.index(".arrive()") < loop_tail.index("}")  # the releases right after the wait, in the loop
+
+
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens,tuning", [
     (4, 4096, 257, {}), (4, 40, 7, {}), (4, 200, 33, {}), (2, 72, 1, {}), (8, 40, 65, {}), (1, 72, 7, {}),
-    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2})])
+    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2}), (4, 4096, 257, {"gemm_wait": "once"}),
+    (2, 72, 33, {"gemm_wait": "once"})])
 def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel

@@ -896,6 +896,10 @@ def main(argv=None) -> int:
     parser.add_argument("--coefficient-phases", default=None, choices=("fused", "split", "spread"),
                         help="the pre backward's kernel 1 for the parts site, block and host (mhc_lab.ops.training."
                         "coefficient_phases; recorded as coefficient_phases)")
+    parser.add_argument("--post-project-wait", default=None, choices=("each", "once"), help="the fused post + "
+                        "projection's waits for its products on CUDA for the parts site, block, block_kernels, "
+                        "behind_gemms and host (mhc_lab.ops.training.post_project_wait; recorded as "
+                        "post_project_wait when given)")
     parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "
                         "many interleaved rounds (recorded as rounds_ms, with each kind's overhead over the plain "
                         "residual per round and its median, overhead_pct_rounds)")
@@ -908,10 +912,12 @@ def main(argv=None) -> int:
 
     from mhc_lab.ops.training import (
         COEFFICIENT_PHASES,
+        POST_PROJECT_WAIT,
         check_lane_tuning,
         coefficient_phases,
         lane_tuning,
         post_gradient_to_pre,
+        post_project_wait,
     )
 
     tuning = check_lane_tuning(hashable_tuning(json.loads(args.lane_tuning)) if args.lane_tuning else {})
@@ -932,14 +938,19 @@ def main(argv=None) -> int:
     phases = args.coefficient_phases or COEFFICIENT_PHASES
     if args.coefficient_phases:
         results["coefficient_phases"] = phases
+    wait = args.post_project_wait or POST_PROJECT_WAIT
+    if args.post_project_wait:
+        results["post_project_wait"] = wait
     print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else "")
           + ({True: "; the post's output gradient to the pre", False: "; the post's dx to the pre", None: ""}[
               post_grad])
-          + (f"; kernel 1 {phases}" if args.coefficient_phases else ""))
+          + (f"; kernel 1 {phases}" if args.coefficient_phases else "")
+          + (f"; the post + projection waits {wait}" if args.post_project_wait else ""))
 
     @contextlib.contextmanager
-    def configured():  # the options that the parts site, block and host run under
-        with lane_tuning(**tuning), post_gradient_to_pre(post_grad), coefficient_phases(phases):
+    def configured():  # the options that every part but the sweep runs under
+        with lane_tuning(**tuning), post_gradient_to_pre(post_grad), coefficient_phases(phases), \
+                post_project_wait(wait):
             yield
 
     def save(final=False):

@@ -43,6 +43,8 @@ from mhc_lab.kernels.pre_split import phi_rows, phi_tile_rows
 
 # the parts post_project_program's leave_out drops, in order: the products, phi's loads, the output tile, the mix
 LEAVE_OUT_STEPS = ("gemm", "phi", "out_tile", "mix")
+# when the CUDA program waits for the projection's products: after each lane's, or once after all n lanes'
+GEMM_WAITS = ("each", "once")
 
 
 def _check(n: int, C: int, dtype: str, target: str) -> str:
@@ -74,7 +76,8 @@ def shared_bytes(n: int, block_m: int, block_k: int, stages: int, phi_loaded: bo
 
 def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
                          block_m: int | None = None, block_k: int | None = None, stages: int | None = None,
-                         threads: int | None = None, block_tokens: int = 4, leave_out: tuple = ()):
+                         threads: int | None = None, block_tokens: int = 4, leave_out: tuple = (),
+                         gemm_wait: str = "each"):
     """The tile program of post + next projection for n lanes of width C. CUDA tiles left None come from
     cuda_tuning(n).
 
@@ -103,11 +106,21 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
     (128-byte rows) took 0.343 ms swizzled or not, 128 columns of 32 tokens 0.309, the post's own time; but
     two stages of 64 tokens x 128 columns and their phi columns do not fit in shared memory.
 
+    gemm_wait (CUDA): "each" waits for each lane's products before the next lane's are issued (T.gemm's own
+    wait: four waits per column block at n = 4, each exposing a chain of wgmma's latency to both consumer
+    warpgroups); "once" issues all n lanes' products and waits for them once, then reads phi's staged tiles once
+    more so that the pipeline releases the stage only after that wait (as kernel 2 of the pre backward does).
+    Built for timing under the GPU's power cap, where this kernel's time follows the SM clock (run BL); the
+    default stays "each" until "once" has run its CUDA tests.
+
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "gemm" the projection's tensor-core products, "phi" also phi's loads, "out_tile" also the output
     tile's shared copy, "mix" also the lane mix (each output lane is then a plain copy of its own input lane).
     """
     t = _check(n, C, dtype, target)
+    if gemm_wait not in GEMM_WAITS:
+        raise ValueError(f"post + projection kernel: gemm_wait must be one of {', '.join(GEMM_WAITS)}, "
+                         f"got {gemm_wait!r}")
     M = mixes_width(n)
     K = n * C
     NT = T.dynamic("T")
@@ -176,6 +189,8 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
             sq_acc = T.alloc_fragment((BM, BK), "float32")
             sq = T.alloc_fragment((BM,), "float32")
             out_s = T.alloc_shared((NA, BM), "float32")
+            # gemm_wait "once": phi's tiles read after the wait
+            keep = T.alloc_local((1,), "float32") if gemm_wait == "once" else None
             t0 = bm * BM
             for tt, k in T.Parallel(BM, NCOEF):
                 tok = t0 + tt
@@ -220,7 +235,14 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                         sq_acc[tt, c] += v * v
                 if "gemm" not in left:
                     for i in lanes:
-                        T.gemm(ps[i], os[i], acc, transpose_B=True)
+                        if gemm_wait == "once":
+                            T.gemm(ps[i], os[i], acc, transpose_B=True, annotations={"wg_wait": -1})
+                        else:
+                            T.gemm(ps[i], os[i], acc, transpose_B=True)
+                    if gemm_wait == "once":
+                        T.wait_wgmma(0)
+                        # the staged phi tiles' last use: after the wait, so the stage is released only then
+                        keep[0] = sum([T.cast(ps[i][0, 0], "float32") for i in lanes], T.float32(0))
             T.reduce_sum(sq_acc, sq, dim=1)
             T.copy(acc, out_s)
             for tt, q in T.Parallel(BM, M):

@@ -493,7 +493,7 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
             with torch.cuda.device(x.device):
                 phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
                 phi_split_kernel(n, C, "cuda")(phi32, phi_hl)
-                post_project_kernel(n, C, "bfloat16", "cuda", splits=splits)(
+                post_project_kernel(n, C, "bfloat16", "cuda", splits=splits, gemm_wait=POST_PROJECT_WAIT)(
                     x.contiguous(), f.contiguous(), post32, res32, phi_hl, out, partial)
         return out, partial
     partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
@@ -608,6 +608,22 @@ JOIN_SITES_BACKWARD = False
 def join_sites_backward(enabled: bool):
     """Within this block, run_sites joins each post with the next site's pre (boundary_forward; enabled)."""
     return _module_setting("JOIN_SITES_BACKWARD", bool(enabled))
+
+
+# when the fused post + projection on CUDA waits for its products (kernels/post_project.py, gemm_wait): after
+# each lane's ("each"), or once per column block ("once"; built for timing under the GPU's power cap, where that
+# kernel's time follows the SM clock, run BL; the default until its CUDA tests have run)
+POST_PROJECT_WAIT = "each"
+
+
+def post_project_wait(wait: str):
+    """Within this block, the fused post + projection on CUDA waits for its products as ``wait`` says (one of
+    kernels.post_project.GEMM_WAITS)."""
+    from mhc_lab.kernels.post_project import GEMM_WAITS
+
+    if wait not in GEMM_WAITS:
+        raise InputError(f"post_project_wait: expected one of {', '.join(GEMM_WAITS)}, got {wait!r}")
+    return _module_setting("POST_PROJECT_WAIT", wait)
 
 
 LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo", "overlap_dx",
