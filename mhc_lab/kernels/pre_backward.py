@@ -729,8 +729,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                  + coef_s[tt, n] * T.cast(x_j[tt, c], "float32"))
             if dp_j is not None:  # the post's gradient of the same lanes, read once
                 v = v + T.cast(dp_j[tt, c], "float32")
-            if gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA)
-                v = v + sum([res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32") for i in lanes])
+            if gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA), added term
+                # by term (one FFMA each; as v + sum(...) the sum began from 0: an FMUL and an FADD more)
+                for i in lanes:
+                    v = v + res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32")
             if joined:  # all lanes' dx in one buffer, for the joined epilogue; never stored
                 dx_s[j, tt, c] = T.cast(v, dtype)
             else:
