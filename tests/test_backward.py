@@ -9,6 +9,7 @@
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -213,6 +214,29 @@ def test_the_post_gradient_path_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="post_grad needs every lane in each CTA .* lane_group = n = 4, got "
                                          "lane_group = 2"):
         pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, lane_group=2)
+    with pytest.raises(ValueError, match="g_once .* needs post_grad and overlap_dx; got post_grad = False"):
+        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", add_dx=True, g_once=True)
+    with pytest.raises(ValueError, match="g_once .* got post_grad = True, overlap_dx = False"):
+        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, overlap_dx=False, g_once=True)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n,C", [(4, 4096), (2, 40), (8, 8)])
+def test_g_once_reads_each_lane_of_g_once_per_warpgroup_for_sm90(n, C):
+    """g_once: each consumer warpgroup binds the tile's n lanes of g to names once (g0 .. g{n-1}, the second
+    warpgroup's with a suffix) and holds H_res^T g per lane; without it the epilogue reads them again for every
+    lane. The same pipeline loads."""
+    from mhc_lab.kernels._target import compile_program
+    from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
+
+    groups = lane_tiling(n, post_grad=True)[2]
+    plain = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True), "sm_90")
+    held = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True, g_once=True),
+                           "sm_90")
+    src, held_src = plain.get_kernel_source(), held.get_kernel_source()
+    assert held_src.count("tma_load(g_desc") == src.count("tma_load(g_desc") == n
+    assert len(re.findall(r"float2 g[0-9](?:_1)? = ", held_src)) == n * groups
+    assert not re.findall(r"float2 g[0-9]", src)
 
 
 @needs_nvcc
@@ -1283,6 +1307,35 @@ def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, 
         for order, (dx, partial) in zip((orders + [{"consumer_groups": 2}])[1:], outs[1:]):
             assert torch.equal(outs[0][0], dx), f"dx differs ({extra}, {group}, {order})"
             assert torch.equal(outs[0][1], partial), f"dphi partial differs ({extra}, {group}, {order})"
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
+def test_cuda_lane_kernel_g_once_matches_float64(n, C, tokens):
+    """Kernel 2 with the post's output gradient, H_res^T g held per warpgroup (g_once) and not, against float64
+    sums of its operands: dx = dmix phi_j + H_pre[j] dy + 2 ds x_j + sum_i H_res[i, j] g_i; outputs poisoned
+    first. dphi does not see g: the same bits either way."""
+    from mhc_lab.kernels.pre_backward import gemm_depth, pre_backward_kernels
+
+    x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 5, device="cuda")
+    x = x.to(torch.bfloat16)
+    dy, _, _, g = _upstream((tokens,), n, C, seed=9, device="cuda")
+    dy, g = dy.to(torch.bfloat16), g.to(torch.bfloat16)
+    res = torch.rand(tokens, n, n, device="cuda")
+    dsplit, coef, dmix = _lane_operands(tokens, n, C, seed=tokens + 2)
+    phi32 = phi.float()
+    xd, c = x.double(), coef.double()
+    want = ((dmix.cuda() @ phi32.double()).reshape(tokens, n, C) + c[:, :n, None] * dy.double()[:, None]
+            + c[:, n, None, None] * xd + torch.einsum("tij,tic->tjc", res.double(), g.double()))
+    partials = []
+    for tuning in ({}, {"g_once": True}):
+        _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, post_grad=True, lane_splits=2, **tuning)
+        dx = torch.full_like(x, float("nan"))
+        partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
+        lanes(x, dy, dsplit, coef, phi32, g, res, dx, partial)
+        assert _relmax(dx, want) < 1e-2, tuning
+        partials.append(partial)
+    assert torch.equal(*partials)
 
 
 def test_training_benchmark_times_every_op_it_names():

@@ -467,7 +467,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                trim_lo: bool = True, post_grad: bool = False, overlap_dx: bool | None = None,
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
                                dy_once: bool | None = None, consumer_groups: int | None = None,
-                               joined: bool = False, leave_out: tuple = (), joined_leave_out: tuple = ()):
+                               joined: bool = False, leave_out: tuple = (), joined_leave_out: tuple = (),
+                               g_once: bool = False):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -567,6 +568,13 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     16384 x 4096, 8192 x 7168 (run BC). Without its epilogue's row sums and outputs it takes 0.647 ms at
     16384 x 4096 (run BD): the epilogue's instructions, not memory, hold it (Nsight Compute, run BF: about
     1620 instructions per consumer warp and tile, issued on 35% of cycles with two warps per scheduler).
+
+    g_once (CUDA, post_grad with overlap_dx): each consumer warpgroup reads the tile's n lanes of g from shared
+    memory once and forms H_res^T g for each of its lanes in float32 registers, right after issuing its first
+    lane's dx products (so the CUDA cores work while the tensor cores do); each lane's epilogue then adds one
+    value. Without it, each lane's epilogue reads and unpacks all n tiles of g again: at n = 4 with two lanes per
+    warpgroup, 4 unpacks and the loads of 4 tiles per element and lane (about 320 of the 920-950 instructions a
+    warpgroup issues per tile are bf16 unpacking; SASS, kernel notes). Built, not yet run on a GPU.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -694,6 +702,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): joined needs add_dx, stage_dx and two consumer warpgroups of all n "
                          f"lanes (n = 4); got add_dx = {add_dx}, stage_dx = {stage_dx}, consumer_groups = {CG}, "
                          f"lane_group = {LG}, n = {n}")
+    if g_once and not (post_grad and overlap_dx):
+        raise ValueError(f"pre backward (lanes): g_once holds H_res^T g of the post's output gradient g for the "
+                         f"overlapped lanes, so it needs post_grad and overlap_dx; got post_grad = {post_grad}, "
+                         f"overlap_dx = {overlap_dx}")
     # each consumer warpgroup's lanes (all of them in one group)
     group_lanes = [group[k * (LG // CG) : (k + 1) * (LG // CG)] for k in range(CG)]
     stages = stages or lane_stages(n, LG, BT, BC, add_dx, post_grad, ctas_per_sm, stage_dx, joined)
@@ -723,13 +735,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                    annotations=annotations)
 
     @T.macro
-    def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_s, dx_tile):
+    def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_s, dx_tile, gh_j=None):
         for tt, c in T.Parallel(BT, BC):
             v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
                  + coef_s[tt, n] * T.cast(x_j[tt, c], "float32"))
             if dp_j is not None:  # the post's gradient of the same lanes, read once
                 v = v + T.cast(dp_j[tt, c], "float32")
-            if gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA), added term
+            if gh_j is not None:  # H_res^T g of this lane, held in registers (g_once)
+                v = v + gh_j[tt, c]
+            elif gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA), added term
                 # by term (one FFMA each; as v + sum(...) the sum began from 0: an FMUL and an FADD more)
                 for i in lanes:
                     v = v + res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32")
@@ -748,12 +762,28 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             T.tma_copy(dx_s, dx_tile)
 
     @T.macro
-    def overlapped_lanes(lanes_g, t0, lg, c0, dy_src, dxf, accs, acc_phi, keep, a_dx, a_l0, a_hl, phi_s, xs, coef_s,
-                         dps, gs, res_s, dx_stage, dx):
+    def hold_g(g_held, lanes_g, lg, gs, res_s):
+        # g_once: the tile's n lanes of g read once, H_res^T g formed for each of this warpgroup's lanes
+        for tt, c in T.Parallel(BT, BC):
+            # bound to names, so each lane of g is read once (a list's items were repeated at every use)
+            g0, g1, g2, g3, g4, g5, g6, g7 = [T.cast(gs[i][tt, c], "float32") if i < n else T.float32(0)
+                                              for i in range(8)]
+            gv = [g0, g1, g2, g3, g4, g5, g6, g7][:n]
+            for k, jj in enumerate(lanes_g):
+                h = res_s[tt, 0, lg * LG + jj] * gv[0]
+                for i in lanes[1:]:
+                    h = h + res_s[tt, i, lg * LG + jj] * gv[i]
+                g_held[k][tt, c] = h
+
+    @T.macro
+    def overlapped_lanes(lanes_g, t0, lg, c0, dy_src, dxf, accs, acc_phi, keep, g_held, a_dx, a_l0, a_hl, phi_s, xs,
+                         coef_s, dps, gs, res_s, dx_stage, dx):
         # one consumer warpgroup's lanes: each lane's dx GEMMs issued before the previous lane's epilogue, its
         # dphi GEMM after it, none waited for at its issue
         later = 2 if dx_products == 3 else 1  # wgmma groups one lane's dx GEMMs commit
         dx_gemms(a_dx, a_l0, phi_s[lanes_g[0]], accs[lanes_g[0]], ASYNC)
+        if g_held is not None:  # while the tensor cores run the first lane's products
+            hold_g(g_held, lanes_g, lg, gs, res_s)
         for i, jj in enumerate(lanes_g):
             if i + 1 < len(lanes_g):
                 dx_gemms(a_dx, a_l0, phi_s[lanes_g[i + 1]], accs[lanes_g[i + 1]], ASYNC)
@@ -763,7 +793,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             T.warpgroup_fence_operand(accs[jj], num_regs=BT * BC // threads)  # one thread's share
             dx_epilogue(accs[jj], lg * LG + jj, xs[jj], dy_src, coef_s, dps[jj], gs, res_s, dxf,
                         dx_stage if joined else dx_stage[jj],
-                        dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC])
+                        dx[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], None if g_held is None else g_held[i])
             T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True, annotations=ASYNC)
         T.wait_wgmma(0)
         # the staged operands' last use: after the wait, so the stage is released only then
@@ -778,11 +808,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 dy_held[tt, c] = T.cast(dys[tt, c], "float32")
 
     @T.macro
-    def group_work(k, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands):
+    def group_work(k, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, g_helds, operands):
         # consumer group k's share of a tile: its dy held once (dy_once), then its lanes, overlapped
         hold_dy(dy_helds[k], dys)
         overlapped_lanes(group_lanes[k], t0, lg, c0, _present(dy_helds[k], dys)[0], dxfs[k], accs, acc_phi, keep,
-                         *operands)
+                         g_helds[k], *operands)
 
     @T.macro
     def lanes_tail(lanes_g, lg, c0, s, acc_phi, dphi_partial):
@@ -863,6 +893,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             # dy_once: the tile's dy read once into registers for all its lanes (the epilogue's dy is
             # _present(dy_held, dys)[0]: dy_held where it exists, else the shared tile)
             dy_helds = [T.alloc_fragment((BT, BC), "float32") if dy_once else None for _ in range(CG)]
+            # g_once: each consumer warpgroup's H_res^T g, one float32 fragment per lane of its own
+            g_helds = [[T.alloc_fragment((BT, BC), "float32") for _ in group_lanes[k]] if g_once else None
+                       for k in range(CG)]
             if joined:  # the previous site's lanes, f and coefficients; each group's products, outputs and sums
                 xps = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
                 fps = T.alloc_shared((BT, BC), dtype)
@@ -923,9 +956,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 operands = (a_dx, a_l0, a_hl, phi_s, xs, coef_s, dps, gs, res_s, dx_stage, dx)
                 if CG > 1:  # each consumer warpgroup its own lanes, held dy and dx fragments
                     if tx < 128:
-                        group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
+                        group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, g_helds, operands)
                     else:
-                        group_work(1, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
+                        group_work(1, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, g_helds, operands)
                     if joined:  # both groups' dx tiles staged, then each takes its share; a second barrier keeps
                         # the next tile's writes of the dx buffer after these reads
                         T.sync_threads(JOIN_BARRIER, 2 * threads)
@@ -939,7 +972,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                         if "second_barrier" not in joined_left:
                             T.sync_threads(JOIN_BARRIER, 2 * threads)
                 elif overlap_dx:
-                    group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, operands)
+                    group_work(0, t0, lg, c0, dys, dy_helds, dxfs, accs, acc_phi, keep, g_helds, operands)
                 else:
                     hold_dy(dy_helds[0], dys)
                     for jj in group:
