@@ -227,6 +227,13 @@ def test_compare_kernel_times_splits_shared_and_own_kernels():
     assert compare_kernel_times(base, other)["largest_differences"][-1]["kernel"] == "attention"
 
 
+def test_kernel_totals_sums_every_kernels_time_and_launches():
+    from mhc_lab.course.bench_training import kernel_totals
+
+    assert kernel_totals({"gemm": (10.0, 4.0), "add": (0.5, 11.0)}) == (10.5, 15.0)
+    assert kernel_totals({}) == (0, 0)
+
+
 def _made_up_comparison(base: dict, other: dict) -> dict:
     from mhc_lab.course.bench_training import compare_kernel_times
 

@@ -609,9 +609,9 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
         kept.clear()
         torch.cuda.empty_cache()
         out["overhead_pct_rounds"] = {}
-        for kind in out["rounds_ms"]:
+        for kind in (k for k in out["rounds_ms"] if k != "residual"):
             ratio = round_ratios(out["rounds_ms"], ours=kind, base="residual")
-            if kind != "residual" and ratio:
+            if ratio:
                 out["overhead_pct_rounds"][kind] = {k: 100 * (v - 1) for k, v in ratio.items() if k != "ratios"}
                 o = out["overhead_pct_rounds"][kind]
                 log(f"  block C={width} {kind:20s} over {rounds} interleaved rounds: median {o['median']:+.1f}% "
@@ -629,6 +629,11 @@ def kernel_times(step, repeat: int = 5) -> dict:
         torch.cuda.synchronize()
     return {e.key: (e.device_time_total / repeat / 1e3, e.count / repeat) for e in prof.key_averages()
             if e.device_type.name == "CUDA"}
+
+
+def kernel_totals(times: dict) -> tuple[float, float]:
+    """(GPU ms, launches) per step of all of kernel_times' kernels together."""
+    return sum(ms for ms, _ in times.values()), sum(count for _, count in times.values())
 
 
 def compare_kernel_times(base: dict, other: dict, top: int = 8) -> dict:
@@ -673,9 +678,8 @@ def bench_block_kernels(width, bench, *, batch=4, seq=4096, kind="mhc_ours_chain
         kernels[name] = {k: ms for k, (ms, _) in times.items()}
         out["kernels"][name] = {k[:160]: {"ms": ms, "launches": count} for k, (ms, count) in times.items()}
         wall = bench(step, warmup_ms=100, rep_ms=500) * 1e3
-        busy = sum(kernels[name].values())
-        out[name] = {"wall_ms": wall, "kernel_ms": busy, "idle_ms": wall - busy,
-                     "launches": sum(count for _, count in times.values())}
+        busy, launches = kernel_totals(times)
+        out[name] = {"wall_ms": wall, "kernel_ms": busy, "idle_ms": wall - busy, "launches": launches}
         log(f"  block C={width} {name:34s} {wall:7.2f} ms per step, {busy:7.2f} of kernels, "
             f"{wall - busy:5.2f} idle, {out[name]['launches']:.0f} launches")
         del step
@@ -801,10 +805,6 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
 
     from mhc_lab.course import training_lab
 
-    def kernel_time(step, repeat=5):  # GPU ms and launches per step
-        times = kernel_times(step, repeat).values()
-        return sum(ms for ms, _ in times), sum(count for _, count in times)
-
     def wall_ms(step, repeat):
         for _ in range(3):
             step()
@@ -824,7 +824,7 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
     out = {"site": {"tokens": tokens, "C": C, "wall_ms": wall_ms(site, steps)}}
     replay = _graph_replay(site)
     out["site"]["graph_ms"] = wall_ms(replay, steps)
-    out["site"]["kernel_ms"], out["site"]["kernels_per_step"] = kernel_time(site)
+    out["site"]["kernel_ms"], out["site"]["kernels_per_step"] = kernel_totals(kernel_times(site))
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -862,7 +862,7 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
             forward().backward()
 
         row = {"wall_ms": wall_ms(step, 20)}
-        row["kernel_ms"], row["kernels_per_step"] = kernel_time(step)
+        row["kernel_ms"], row["kernels_per_step"] = kernel_totals(kernel_times(step))
         out["lab_model"][name] = row
         log(f"  host: lab 07's model, {name:18s} {row['wall_ms']:7.2f} ms per step, {row['kernel_ms']:6.2f} ms of "
             f"kernel time, {row['kernels_per_step']:.0f} kernels")

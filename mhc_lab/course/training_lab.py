@@ -902,7 +902,7 @@ def block_rounds_table(results: dict | None) -> str:
     return "\n".join(lines) if lines else "(no block runs in rounds recorded)"
 
 
-def block_breakdown_table(results: dict | None, run: str = "BJ", top: int = 4) -> str:
+def block_breakdown_table(results: dict | None, run: str = "BN", top: int = 4) -> str:
     """The recorded block breakdown (block_kernels, one run): per width the plain, the chained block and its
     connections alone (identity layers): wall time per step, kernel time, the rest (the GPU idle); then the
     chained block's own kernels that take longest beside the layers against the same kernels without them."""

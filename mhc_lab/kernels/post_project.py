@@ -191,6 +191,7 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
             out_s = T.alloc_shared((NA, BM), "float32")
             # gemm_wait "once": phi's tiles read after the wait
             keep = T.alloc_local((1,), "float32") if gemm_wait == "once" else None
+            wait_annotations = {"wg_wait": -1} if gemm_wait == "once" else None
             t0 = bm * BM
             for tt, k in T.Parallel(BM, NCOEF):
                 tok = t0 + tt
@@ -234,11 +235,8 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                         v = T.cast(o, "float32")
                         sq_acc[tt, c] += v * v
                 if "gemm" not in left:
-                    for i in lanes:
-                        if gemm_wait == "once":
-                            T.gemm(ps[i], os[i], acc, transpose_B=True, annotations={"wg_wait": -1})
-                        else:
-                            T.gemm(ps[i], os[i], acc, transpose_B=True)
+                    for i in lanes:  # "once": issued without T.gemm's own wait
+                        T.gemm(ps[i], os[i], acc, transpose_B=True, annotations=wait_annotations)
                     if gemm_wait == "once":
                         T.wait_wgmma(0)
                         # the staged phi tiles' last use: after the wait, so the stage is released only then

@@ -734,6 +734,14 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             T.gemm(a_l0, phi_j[0 : KH if trim_lo else K2, 0:BC], acc, policy=T.GemmWarpPolicy.FullRow,
                    annotations=annotations)
 
+    def res_t_terms(v, res_s, tt, j, values):
+        # v + sum_i H_res[i, j] values[i], added term by term: one FFMA each (as v + sum(...) the sum began with an
+        # FMUL and ended with an FADD); v None: the sum alone
+        for i in lanes:
+            term = res_s[tt, i, j] * values[i]
+            v = term if v is None else v + term
+        return v
+
     @T.macro
     def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_s, dx_tile, gh_j=None):
         for tt, c in T.Parallel(BT, BC):
@@ -743,10 +751,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 v = v + T.cast(dp_j[tt, c], "float32")
             if gh_j is not None:  # H_res^T g of this lane, held in registers (g_once)
                 v = v + gh_j[tt, c]
-            elif gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA), added term
-                # by term (one FFMA each; as v + sum(...) the sum began from 0: an FMUL and an FADD more)
-                for i in lanes:
-                    v = v + res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32")
+            elif gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA)
+                v = res_t_terms(v, res_s, tt, j, [T.cast(gs[i][tt, c], "float32") for i in lanes])
             if joined:  # all lanes' dx in one buffer, for the joined epilogue; never stored
                 dx_s[j, tt, c] = T.cast(v, dtype)
             else:
@@ -770,10 +776,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                               for i in range(8)]
             gv = [g0, g1, g2, g3, g4, g5, g6, g7][:n]
             for k, jj in enumerate(lanes_g):
-                h = res_s[tt, 0, lg * LG + jj] * gv[0]
-                for i in lanes[1:]:
-                    h = h + res_s[tt, i, lg * LG + jj] * gv[i]
-                g_held[k][tt, c] = h
+                g_held[k][tt, c] = res_t_terms(None, res_s, tt, lg * LG + jj, gv)
 
     @T.macro
     def overlapped_lanes(lanes_g, t0, lg, c0, dy_src, dxf, accs, acc_phi, keep, g_held, a_dx, a_l0, a_hl, phi_s, xs,
