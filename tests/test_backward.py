@@ -1237,6 +1237,14 @@ def _lane_operands(tokens, n, C, seed):
     return dsplit.cuda(), coef.cuda(), hi.double() + lo.double()
 
 
+def _kernel2_dx_truth(x, dy, coef, dmix, phi32):
+    """float64 dx of kernel 2 from its operands (no dx_post, no g): dmix phi_j + H_pre[j] dy + 2 ds x_j."""
+    tokens, n, C = x.shape
+    c = coef.double()
+    return ((dmix.cuda() @ phi32.double()).reshape(tokens, n, C) + c[:, :n, None] * dy.double()[:, None]
+            + c[:, n, None, None] * x.double())
+
+
 @needs_cuda
 @pytest.mark.parametrize("tuning", [{}, {"dx_products": 1}, {"block_tokens": 128, "threads": 256}, {"trim_lo": False},
                                     {"overlap_dx": False}, {"overlap_dx": True},
@@ -1265,13 +1273,11 @@ def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
     dx = torch.full_like(x, float("nan"))
     partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
     lanes(x, dy, dsplit, coef, phi32, *([dx_post] if add_dx else []), dx, partial)
-    xd, c = x.double(), coef.double()
-    want = ((dmix.cuda() @ phi32.double()).reshape(tokens, n, C) + c[:, :n, None] * dy.double()[:, None]
-            + c[:, n, None, None] * xd)
+    want = _kernel2_dx_truth(x, dy, coef, dmix, phi32)
     if add_dx:
         want = want + dx_post.double()
     assert _relmax(dx, want) < 1e-2
-    assert _relmax(dphi_from_partial(partial, n), dmix.cuda().t() @ xd.reshape(tokens, n * C)) < 1e-4
+    assert _relmax(dphi_from_partial(partial, n), dmix.cuda().t() @ x.double().reshape(tokens, n * C)) < 1e-4
 
 
 @needs_cuda
@@ -1324,9 +1330,7 @@ def test_cuda_lane_kernel_g_once_matches_float64(n, C, tokens):
     res = torch.rand(tokens, n, n, device="cuda")
     dsplit, coef, dmix = _lane_operands(tokens, n, C, seed=tokens + 2)
     phi32 = phi.float()
-    xd, c = x.double(), coef.double()
-    want = ((dmix.cuda() @ phi32.double()).reshape(tokens, n, C) + c[:, :n, None] * dy.double()[:, None]
-            + c[:, n, None, None] * xd + torch.einsum("tij,tic->tjc", res.double(), g.double()))
+    want = _kernel2_dx_truth(x, dy, coef, dmix, phi32) + torch.einsum("tij,tic->tjc", res.double(), g.double())
     partials = []
     for tuning in ({}, {"g_once": True}):
         _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, post_grad=True, lane_splits=2, **tuning)
