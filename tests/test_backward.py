@@ -230,9 +230,9 @@ def test_g_once_reads_each_lane_of_g_once_per_warpgroup_for_sm90(n, C):
     from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
 
     groups = lane_tiling(n, post_grad=True)[2]
-    plain = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True), "sm_90")
-    held = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True, g_once=True),
-                           "sm_90")
+    plain = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True, g_once=False),
+                            "sm_90")
+    held = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True), "sm_90")
     src, held_src = plain.get_kernel_source(), held.get_kernel_source()
     assert held_src.count("tma_load(g_desc") == src.count("tma_load(g_desc") == n
     assert len(re.findall(r"float2 g[0-9](?:_1)? = ", held_src)) == n * groups
@@ -1286,7 +1286,9 @@ def test_cuda_lane_kernel_tunings_match_float64(n, C, tokens, add_dx, tuning):
 def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, extra):
     """overlap_dx reorders only when each GEMM is waited for, not what any accumulator sums or in which order
     (nor do two CTAs per SM, nor two consumer warpgroups with their own lanes): dx and dphi are the plain
-    kernel's bit for bit, with every extra operand, in the default tiling and with one lane per CTA."""
+    kernel's bit for bit, with every extra operand, in the default tiling and with one lane per CTA. With the
+    post's g, H_res^T g is summed in line (g_once off): held per warpgroup it is added in another order, which
+    test_cuda_lane_kernel_g_once_matches_float64 checks against float64."""
     from mhc_lab.kernels.pre_backward import gemm_depth, lane_tiling, pre_backward_kernels
 
     x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 3, device="cuda")
@@ -1296,6 +1298,8 @@ def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, 
     dsplit, coef, _ = _lane_operands(tokens, n, C, seed=tokens + 1)
     more = {"none": [], "add_dx": [g], "post_grad": [g, torch.rand(tokens, n, n, device="cuda")]}[extra]
     flags = {"add_dx": extra == "add_dx", "post_grad": extra == "post_grad"}
+    if extra == "post_grad":
+        flags["g_once"] = False
     groups = [{}] + ([{"lane_group": 1}] if extra != "post_grad" and n > 1 else [])  # the default and one lane
     orders = [{"overlap_dx": False}, {"overlap_dx": True}]
     if extra != "post_grad" and n <= 4:  # two CTAs per SM: other lanes and stages, the same sums
@@ -1318,9 +1322,9 @@ def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, 
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_g_once_matches_float64(n, C, tokens):
-    """Kernel 2 with the post's output gradient, H_res^T g held per warpgroup (g_once) and not, against float64
-    sums of its operands: dx = dmix phi_j + H_pre[j] dy + 2 ds x_j + sum_i H_res[i, j] g_i; outputs poisoned
-    first. dphi does not see g: the same bits either way."""
+    """Kernel 2 with the post's output gradient, H_res^T g held per warpgroup (g_once, the default) and not,
+    against float64 sums of its operands: dx = dmix phi_j + H_pre[j] dy + 2 ds x_j + sum_i H_res[i, j] g_i;
+    outputs poisoned first. dphi does not see g: the same bits either way."""
     from mhc_lab.kernels.pre_backward import gemm_depth, pre_backward_kernels
 
     x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 5, device="cuda")
@@ -1332,7 +1336,7 @@ def test_cuda_lane_kernel_g_once_matches_float64(n, C, tokens):
     phi32 = phi.float()
     want = _kernel2_dx_truth(x, dy, coef, dmix, phi32) + torch.einsum("tij,tic->tjc", res.double(), g.double())
     partials = []
-    for tuning in ({}, {"g_once": True}):
+    for tuning in ({"g_once": False}, {}):  # H_res^T g in line, and held per warpgroup (the default)
         _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, post_grad=True, lane_splits=2, **tuning)
         dx = torch.full_like(x, float("nan"))
         partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
@@ -1542,10 +1546,10 @@ def test_post_project_wait_sets_the_fused_kernels_waits_within_its_block():
     clear error for a value the kernel does not take."""
     from mhc_lab.ops import training as tr
 
-    assert tr.POST_PROJECT_WAIT == "each"
-    with tr.post_project_wait("once"):
-        assert tr.POST_PROJECT_WAIT == "once"
-    assert tr.POST_PROJECT_WAIT == "each"
+    assert tr.POST_PROJECT_WAIT == "once"
+    with tr.post_project_wait("each"):
+        assert tr.POST_PROJECT_WAIT == "each"
+    assert tr.POST_PROJECT_WAIT == "once"
     with pytest.raises(InputError, match="post_project_wait: expected one of each, once, got 'later'"):
         with tr.post_project_wait("later"):
             pass

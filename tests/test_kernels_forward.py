@@ -248,8 +248,8 @@ def test_post_project_waits_once_for_its_products_with_gemm_wait_once(n, C):
     stages released after it (their mbarrier arrives follow the wait in the generated code)."""
     from mhc_lab.kernels.post_project import post_project_kernel
 
-    each = post_project_kernel(n, C, "bfloat16", "sm_90").get_kernel_source()
-    once = post_project_kernel(n, C, "bfloat16", "sm_90", gemm_wait="once").get_kernel_source()
+    each = post_project_kernel(n, C, "bfloat16", "sm_90", gemm_wait="each").get_kernel_source()
+    once = post_project_kernel(n, C, "bfloat16", "sm_90").get_kernel_source()  # the default
     assert "wait_wgmma" not in each and once.count("wait_wgmma<0>") == 1
     assert each.count("wgmma_ss<") == once.count("wgmma_ss<") == n
     loop_tail = once[once.index("wait_wgmma<0>"):]
@@ -259,8 +259,8 @@ def test_post_project_waits_once_for_its_products_with_gemm_wait_once(n, C):
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens,tuning", [
     (4, 4096, 257, {}), (4, 40, 7, {}), (4, 200, 33, {}), (2, 72, 1, {}), (8, 40, 65, {}), (1, 72, 7, {}),
-    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2}), (4, 4096, 257, {"gemm_wait": "once"}),
-    (2, 72, 33, {"gemm_wait": "once"})])
+    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2}), (4, 4096, 257, {"gemm_wait": "each"}),
+    (2, 72, 33, {"gemm_wait": "each"})])
 def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel

@@ -468,7 +468,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
                                dy_once: bool | None = None, consumer_groups: int | None = None,
                                joined: bool = False, leave_out: tuple = (), joined_leave_out: tuple = (),
-                               g_once: bool = False):
+                               g_once: bool | None = None):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -569,12 +569,14 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     16384 x 4096 (run BD): the epilogue's instructions, not memory, hold it (Nsight Compute, run BF: about
     1620 instructions per consumer warp and tile, issued on 35% of cycles with two warps per scheduler).
 
-    g_once (CUDA, post_grad with overlap_dx): each consumer warpgroup reads the tile's n lanes of g from shared
-    memory once and forms H_res^T g for each of its lanes in float32 registers, right after issuing its first
-    lane's dx products (so the CUDA cores work while the tensor cores do); each lane's epilogue then adds one
-    value. Without it, each lane's epilogue reads and unpacks all n tiles of g again: at n = 4 with two lanes per
-    warpgroup, 4 unpacks and the loads of 4 tiles per element and lane (about 320 of the 920-950 instructions a
-    warpgroup issues per tile are bf16 unpacking; SASS, kernel notes). Built, not yet run on a GPU.
+    g_once (CUDA, post_grad with overlap_dx; None: on wherever those hold): each consumer warpgroup reads the
+    tile's n lanes of g from shared memory once and forms H_res^T g for each of its lanes in float32 registers,
+    right after issuing its first lane's dx products (so the CUDA cores work while the tensor cores do); each
+    lane's epilogue then adds one value. Without it, each lane's epilogue reads and unpacks all n tiles of g
+    again: at n = 4 with two lanes per warpgroup, 4 unpacks and the loads of 4 tiles per element and lane (about
+    320 of the 920-950 instructions a warpgroup issues per tile are bf16 unpacking; SASS, kernel notes). On the
+    H200 at 16384 x 4096: 0.512 against 0.551 ms alone, 0.592 against 0.686 behind GEMMs at the power cap (run
+    BO; 0.353 / 0.417 against 0.385 / 0.480 at C = 2560).
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -702,6 +704,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         raise ValueError(f"pre backward (lanes): joined needs add_dx, stage_dx and two consumer warpgroups of all n "
                          f"lanes (n = 4); got add_dx = {add_dx}, stage_dx = {stage_dx}, consumer_groups = {CG}, "
                          f"lane_group = {LG}, n = {n}")
+    if g_once is None:
+        g_once = post_grad and overlap_dx
     if g_once and not (post_grad and overlap_dx):
         raise ValueError(f"pre backward (lanes): g_once holds H_res^T g of the post's output gradient g for the "
                          f"overlapped lanes, so it needs post_grad and overlap_dx; got post_grad = {post_grad}, "
