@@ -57,6 +57,21 @@ def test_block_table_takes_torch_compile_from_the_latest_run_that_timed_it():
     assert "(run" not in training_lab.block_table(results) and "+100.0%" in training_lab.block_table(results)
 
 
+def test_block_table_and_figure_take_tilekernels_from_the_latest_run_that_timed_it():
+    def block(C, residual, **times):
+        return {"C": C, "tokens": 16384, "times_ms": {"residual": residual, **times}, "peak_gib": {}}
+
+    results = {"block": [block(4096, 40.0, mhc_ours=44.0)],
+               "block_repeats": [{"run": "A", "block": [block(4096, 30.0, mhc_tilekernels=36.0)]},
+                                 {"run": "B", "block": [block(2560, 50.0, mhc_tilekernels=75.0)]}]}
+    text = training_lab.block_table(results)
+    assert "mHC, TileKernels" in text and "+20.0%   peak -   (run A, against its own plain residual)" in text
+    assert "+50.0%" not in text  # run B timed another width
+    bars = {bar.name: (list(bar.y), list(bar.text)) for bar in training_lab.block_figure(results, "x").data}
+    assert bars["mHC, TileKernels"] == ([pytest.approx(20.0)], ["+20.0% (run A)"])
+    assert bars["mHC, ours"] == ([pytest.approx(10.0)], ["+10.0%"])
+
+
 def _kernel2_recording(sweeps: list, sm_count: int = 132) -> dict:
     return {"environment": {"gpu": "Some GPU", "date": "2026-01-02", "sm_count": sm_count},
             "results": {"n": 4, "copy_gbps": 4000.0, "sweeps": sweeps}}

@@ -855,26 +855,36 @@ def _latest_repeat_with(results: dict, C, key: str):
     return None
 
 
+# kinds a main block run may skip (TileKernels: another package; torch.compile: minutes of compiling per width),
+# shown from the latest block_repeats entry that timed them
+BLOCK_KINDS_FROM_REPEATS = ("mhc_tilekernels", "mhc_compiled")
+
+
+def _block_row_for(results: dict, r: dict, key: str):
+    """(run, block row) that gives ``key`` at the width of main row r: (None, r) when r timed it, else the latest
+    block_repeats entry that did (for BLOCK_KINDS_FROM_REPEATS), else None."""
+    if key in (r.get("times_ms") or {}) or key in (r.get("peak_gib") or {}):
+        return None, r
+    return _latest_repeat_with(results, r.get("C"), key) if key in BLOCK_KINDS_FROM_REPEATS else None
+
+
 def block_table(results: dict) -> str:
     """A transformer block, forward + backward: time, overhead over the plain residual, peak memory, and where the
-    run timed the blocks in interleaved rounds the median of the rounds' overheads. torch.compile,
-    where the main run skipped it (minutes of compiling per width), from the latest run that timed it, against
-    that run's own plain residual."""
+    run timed the blocks in interleaved rounds the median of the rounds' overheads. TileKernels and
+    torch.compile, where the main run skipped them, from the latest run that timed them, against that run's own
+    plain residual."""
     rows = (results or {}).get("block") or []
     if not rows:
         return "(no block measurements)"
     lines = []
     for r in rows:
-        times, peak = r.get("times_ms") or {}, r.get("peak_gib") or {}
         lines.append(f"C = {r.get('C', '?')}, {r.get('tokens', '?')} tokens:")
         for key, label in BLOCK_IMPLEMENTATIONS.items():
-            if key in times or key in peak:
-                lines.append(_block_line(r, key, label))
-        found = None if "mhc_compiled" in times else _latest_repeat_with(results, r.get("C"), "mhc_compiled")
-        if found:
-            run, other = found
-            lines.append(_block_line(other, "mhc_compiled", BLOCK_IMPLEMENTATIONS["mhc_compiled"],
-                                     f"   (run {run}, against its own plain residual)"))
+            found = _block_row_for(results, r, key)
+            if found:
+                run, row = found
+                lines.append(_block_line(row, key, label, f"   (run {run}, against its own plain residual)"
+                                         if run else ""))
     return "\n".join(lines)
 
 
@@ -953,14 +963,16 @@ def block_figure(results: dict, label: str):
     rows = (results or {}).get("block") or []
     fig = go.Figure()
     for key in (k for k in BLOCK_IMPLEMENTATIONS if k != "residual"):
-        xs, ys = [], []
+        xs, ys, texts = [], [], []
         for r in rows:
-            o = _block_overhead(r, key)
+            found = _block_row_for(results, r, key)
+            o = _block_overhead(found[1], key) if found else None
             if isinstance(o, (int, float)):
                 xs.append(f"C = {r.get('C')}, {r.get('tokens')} tokens")
                 ys.append(o)
+                texts.append(f"{o:+.1f}%" + (f" (run {found[0]})" if found[0] else ""))
         if xs:
-            fig.add_bar(x=xs, y=ys, name=BLOCK_IMPLEMENTATIONS[key], text=[f"{y:+.1f}%" for y in ys])
+            fig.add_bar(x=xs, y=ys, name=BLOCK_IMPLEMENTATIONS[key], text=texts)
     fig.add_hline(y=6.7, line_dash="dash", annotation_text="paper: +6.7% (n = 4)")
     fig.update_layout(title=f"Transformer block, forward + backward: mHC over the plain residual<br><sup>{label}"
                       "</sup>", height=430, yaxis_title="extra time over the plain residual (%)", barmode="group")
