@@ -754,6 +754,55 @@ def bench_behind_gemms(tokens, C, *, gemm: int = 8192, gemms: int = 8, repeat: i
     return out
 
 
+def hot_kernel_calls(tokens: int, C: int, n: int = N) -> dict:
+    """The two kernels whose instructions set their pace, built with the ops' defaults on CUDA, each as a call on
+    random operands: kernel 2 of the pre backward on the 42C path (the post's output gradient g and its H_res)
+    and the fused post + projection. For a profiler; their outputs are not checked here (their CUDA tests do)."""
+    from mhc_lab.kernels.post_project import post_project_kernel
+    from mhc_lab.kernels.pre_backward import coef_width, dphi_partial_shape, gemm_depth, pre_backward_kernels
+    from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens + C)
+    bf16, f32 = dict(dtype=torch.bfloat16, device="cuda"), dict(dtype=torch.float32, device="cuda")
+
+    def rand(*shape, kind=f32, scale=1.0):
+        return (torch.randn(*shape, generator=gen, **f32) * scale).to(kind["dtype"])
+
+    m = n * n + 2 * n
+    x, f = rand(tokens, n, C, kind=bf16), rand(tokens, C, kind=bf16)
+    phi = rand(m, n * C, scale=1 / math.sqrt(n * C))
+    res = torch.rand(tokens, n, n, generator=gen, **f32)
+    splits = _training_ops._lane_splits(n, C, x.device, False, True)
+    _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, lane_splits=splits, post_grad=True,
+                                    **_training_ops.LANE_TUNING)
+    dy, g = rand(tokens, C, kind=bf16), rand(tokens, n, C, kind=bf16)
+    dsplit, coef = rand(tokens, 3, 2 * gemm_depth(n), kind=bf16), rand(tokens, coef_width(n))
+    dx, dphi_partial = torch.empty_like(x), torch.empty(dphi_partial_shape(splits, n, C), **f32)
+    phi_hl = torch.empty((phi_rows(n), n * C), **bf16)
+    phi_split_kernel(n, C, "cuda")(phi, phi_hl)
+    post = torch.rand(tokens, n, generator=gen, **f32) * 2
+    project = post_project_kernel(n, C, "bfloat16", "cuda", splits=4, gemm_wait=_training_ops.POST_PROJECT_WAIT)
+    out, partial = torch.empty_like(x), torch.empty((4, tokens, m + 1), **f32)
+    return {"kernel 2 (42C path)": lambda: lanes(x, dy, dsplit, coef, phi, g, res, dx, dphi_partial),
+            "post + projection": lambda: project(x, f, post, res, phi_hl, out, partial)}
+
+
+def profile_hot_kernels(tokens: int, C: int, log=print) -> None:
+    """hot_kernel_calls at tokens x C: two warm-up calls of each, then one of each between cudaProfilerStart and
+    cudaProfilerStop, for a profiler that starts there (ncu --profile-from-start off)."""
+    calls = hot_kernel_calls(tokens, C)
+    for _ in range(2):
+        for call in calls.values():
+            call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for call in calls.values():
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    log(f"  profiled once each at {tokens}x{C}: {', '.join(calls)}")
+
+
 def _op_host_costs(x, phi, bias, alpha, wall_ms, steps) -> dict:
     """Microseconds per call, launched back to back at a small shape (so the host's time, not the GPU's): our
     forward ops through torch.ops (the custom op's dispatch) and as their implementations called directly
@@ -873,7 +922,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep,host,"
                         "block_kernels (the plain and the chained block's kernels, side by side),behind_gemms "
-                        "(the chained site's kernels alone and behind GEMMs, at --shapes)")
+                        "(the chained site's kernels alone and behind GEMMs, at --shapes),profile_kernels "
+                        "(kernel 2 and the post + projection once each between cudaProfilerStart and Stop, at "
+                        "--shapes, for ncu --profile-from-start off; nothing recorded)")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
     parser.add_argument("--widths", default=",".join(str(c) for c in BLOCK_WIDTHS), help="block widths C")
     parser.add_argument("--skip", default="", help="comma-separated baselines to skip: eager,compile,tilekernels")
@@ -988,6 +1039,11 @@ def main(argv=None) -> int:
             with configured():
                 results["behind_gemms"].append(bench_behind_gemms(tokens, C))
             save()
+    if "profile_kernels" in parts:
+        for sh in args.shapes.split(","):
+            tokens, C = (int(v) for v in sh.split("x"))
+            with configured():
+                profile_hot_kernels(tokens, C)
     if "block_kernels" in parts:
         results["block_kernels"] = []
         for w in args.widths.split(","):
