@@ -338,3 +338,71 @@ def test_cpu_split_apply_kernels_match_float64(n, C, tokens):
     _assert_close("layer input", got.layer_input, y_ref, "cpu", "lanes")
     for name, a, b in (("pre", got.pre, pre_ref), ("post", got.post, post_ref), ("res", got.res, res_ref)):
         _assert_close(name, a, b, "cpu", "coefficients")
+
+
+def test_bf16_pairs_convert_with_a_shift_and_a_mask_to_the_same_floats():
+    """The identity behind mhc_bf16x2_to_float2: a bf16 value is the top half of its float32, so the low half of a
+    pair is the float32 of (bits << 16) and the high half that of (bits & 0xffff0000). Checked for every bf16 bit
+    pattern (infinities, NaNs, subnormals, both signs) against torch's conversion, bit for bit."""
+    every = torch.arange(1 << 16, dtype=torch.int32)
+    pairs = every | (every.flip(0) << 16)  # each pattern once as the low half and once as the high half
+    low = (pairs << 16).view(torch.float32)
+    high = (pairs & -65536).view(torch.float32)  # -65536 == 0xffff0000 as int32
+    as_bf16 = every.to(torch.int16).view(torch.bfloat16).float()
+    assert torch.equal(low.view(torch.int32), as_bf16.view(torch.int32))
+    assert torch.equal(high.view(torch.int32), as_bf16.flip(0).view(torch.int32))
+
+
+def test_generated_cuda_converts_bf16_pairs_with_our_helper_and_nothing_else_changes():
+    from mhc_lab.kernels._target import BF16X2_TO_FLOAT2, two_instruction_bf16_pairs
+
+    code = ('#include <tl_templates/cuda/common.h>\n\nextern "C" __global__ void k(bfloat16_t* x) {\n'
+            "  float2 a = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v))[0]);\n"
+            "  float2 b = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&w))[0]);\n}\n")
+    out = two_instruction_bf16_pairs(code)
+    assert "__bfloat1622float2" not in out and out.count("mhc_bf16x2_to_float2((reinterpret_cast") == 2
+    assert out.index(BF16X2_TO_FLOAT2.strip()) < out.index('extern "C" __global__') < out.index("= mhc_bf16x2")
+    assert out.startswith("#include <tl_templates/cuda/common.h>\n\n")
+    assert two_instruction_bf16_pairs(out) == out  # nothing left to change
+    plain = code.replace("__bfloat1622float2", "f")
+    assert two_instruction_bf16_pairs(plain) == plain
+
+
+def test_code_generation_chains_and_restores_a_cuda_postproc_registered_before():
+    import tvm_ffi
+
+    from mhc_lab.kernels._target import code_generation
+
+    name = "tilelang_callback_cuda_postproc"
+    before = tvm_ffi.get_global_func(name, allow_missing=True)
+    seen = []
+
+    def theirs(code, target):
+        seen.append(code)
+        return code.replace("A(", "__bfloat1622float2(")
+
+    tvm_ffi.register_global_func(name, f=theirs, override=True)
+    try:
+        with code_generation():  # theirs first, then ours (the helper's definition and its one call)
+            assert tvm_ffi.get_global_func(name)("__global__ k() { A((x)); }", None).count("mhc_bf16x2_to_float2") == 2
+        assert seen and tvm_ffi.get_global_func(name)("A(", None) == "__bfloat1622float2("  # theirs again
+        tvm_ffi.remove_global_func(name)
+        with code_generation():
+            assert tvm_ffi.get_global_func(name, allow_missing=True) is not None
+        assert tvm_ffi.get_global_func(name, allow_missing=True) is None  # none before, none after
+    finally:
+        if before is not None:
+            tvm_ffi.register_global_func(name, f=before, override=True)
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
+def test_cuda_builds_convert_bf16_pairs_with_our_helper():
+    """Every CUDA build (here kernel 2 of the pre backward and the post + projection for sm_90) converts its bf16
+    pairs with mhc_bf16x2_to_float2, the source it was built from and the one generated_source shows alike."""
+    from mhc_lab.kernels.post_project import post_project_kernel
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+    from mhc_lab.kernels.source import generated_source
+
+    for src in (post_project_kernel(4, 4096, "bfloat16", "sm_90").get_kernel_source(),
+                generated_source(pre_backward_lanes_program(2, 40, "bfloat16", "sm_90", post_grad=True), "sm_90")):
+        assert "__bfloat1622float2" not in src and src.count("= mhc_bf16x2_to_float2((") >= 2

@@ -800,13 +800,14 @@ def lane_mix_counts(n: int = 4, C: int = 256) -> dict[str, dict[str, int]]:
     """What the mix's loop body does in the CUDA TileLang generates for lane_mix_program both ways (lowered
     here, no GPU or nvcc needed): its vector loads of the lane tiles from shared memory and its bf16-to-float32
     pair conversions, per vector of elements each thread handles."""
+    from mhc_lab.kernels._target import BF16_PAIR_CONVERSION
     from mhc_lab.kernels.source import generated_source, lines_matching
 
     counts = {}
     for name, bound in (("list", False), ("bound", True)):
         source = generated_source(lane_mix_program(n, C, bound), "sm_90")
         counts[name] = {"lane_loads": len(lines_matching(source, r"= \*\(uint\d?\*\)\(\(\(bfloat16_t\*\)")),
-                        "conversions": len(lines_matching(source, r"__bfloat1622float2"))}
+                        "conversions": len(lines_matching(source, BF16_PAIR_CONVERSION))}
     return counts
 
 

@@ -16,6 +16,7 @@ Targets, as accepted everywhere in ``mhc_lab.kernels``:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -117,6 +118,57 @@ def leave_out_prefix(kernel: str, steps: tuple, leave_out) -> tuple:
     return left
 
 
+# A pair of bf16 values to float32. TileLang's generated CUDA converts a pair with __bfloat1622float2, which ptxas
+# turns into three instructions (the high half moved down by a PRMT, then each half shifted up); the same values,
+# bit for bit, take two (the low half shifted up, the high half masked in place). In kernel 2 of the pre backward
+# that is about 140 of its 1560 instructions per tile and consumer warp (SASS, kernel notes).
+BF16X2_TO_FLOAT2 = """
+__device__ __forceinline__ float2 mhc_bf16x2_to_float2(const __nv_bfloat162 pair) {
+  const unsigned int bits = *reinterpret_cast<const unsigned int*>(&pair);
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+"""
+_CUDA_POSTPROC = "tilelang_callback_cuda_postproc"
+# a call converting a bf16 pair in generated CUDA, before or after two_instruction_bf16_pairs (regular expression)
+BF16_PAIR_CONVERSION = r"(?:__bfloat1622float2|mhc_bf16x2_to_float2)\(\("
+# nvcc flags of every CUDA build: a macro naming the version of two_instruction_bf16_pairs, so that TileLang's
+# kernel cache (keyed on the flags, not on the post-processing) builds kernels cached before it again
+CUDA_FLAGS = ["-DMHC_LAB_CUDA_POSTPROC=1"]
+
+
+def two_instruction_bf16_pairs(code: str) -> str:
+    """Generated CUDA with every __bfloat1622float2 call replaced by mhc_bf16x2_to_float2 (defined before the
+    first kernel); code without such calls unchanged."""
+    if "__bfloat1622float2(" not in code:
+        return code
+    first = code.find("__global__")
+    start = code.rfind("\n", 0, first) + 1 if first >= 0 else len(code)
+    body = code[start:].replace("__bfloat1622float2(", "mhc_bf16x2_to_float2(")
+    return code[:start] + BF16X2_TO_FLOAT2.lstrip("\n") + body
+
+
+@contextlib.contextmanager
+def code_generation():
+    """One TileLang code generation at a time (thread-safe); within it, generated CUDA passes through
+    two_instruction_bf16_pairs, after any post-processing registered before, which is restored afterwards."""
+    import tvm_ffi
+
+    with _lock:
+        previous = tvm_ffi.get_global_func(_CUDA_POSTPROC, allow_missing=True)
+
+        def postproc(code, target):
+            return two_instruction_bf16_pairs(previous(code, target) if previous is not None else code)
+
+        tvm_ffi.register_global_func(_CUDA_POSTPROC, f=postproc, override=True)
+        try:
+            yield
+        finally:
+            if previous is not None:
+                tvm_ffi.register_global_func(_CUDA_POSTPROC, f=previous, override=True)
+            else:
+                tvm_ffi.remove_global_func(_CUDA_POSTPROC)
+
+
 def compile_program(program, target: str, pass_configs: dict | None = None):
     """``tilelang.compile`` for one of our canonical targets (thread-safe; logs quieted; C target with -O3).
 
@@ -129,11 +181,11 @@ def compile_program(program, target: str, pass_configs: dict | None = None):
     t = canonical_target(target)
     if t != "c":
         _ensure_nvcc_on_path()
-    extra = {"compile_flags": C_TARGET_FLAGS} if t == "c" else {}
+    extra = {"compile_flags": C_TARGET_FLAGS if t == "c" else CUDA_FLAGS}
     cache_log = logging.getLogger("tilelang.cache.kernel_cache")
     was_disabled, cache_log.disabled = cache_log.disabled, True
     try:
-        with _lock:
+        with code_generation():
             return tilelang.compile(program, target=tilelang_target(t), pass_configs=pass_configs or None, **extra)
     finally:
         cache_log.disabled = was_disabled

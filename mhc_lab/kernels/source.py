@@ -12,7 +12,7 @@ what a learner reads to see what the tile program became (vector loads, the redu
 
 import re
 
-from mhc_lab.kernels._target import canonical_target, quiet_tilelang
+from mhc_lab.kernels._target import canonical_target, code_generation, quiet_tilelang
 
 
 def generated_source(program, target: str = "c") -> str:
@@ -24,7 +24,7 @@ def generated_source(program, target: str = "c") -> str:
     t = canonical_target(target)
     if t != "c":
         t = {"kind": "cuda", "arch": t}
-    with tvm.target.Target(t):
+    with code_generation(), tvm.target.Target(t):
         artifact = tilelang.lower(program, target=t)
     return artifact.kernel_source
 
