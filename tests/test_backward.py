@@ -218,6 +218,11 @@ def test_the_post_gradient_path_refuses_what_it_cannot_run():
         pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", add_dx=True, g_once=True)
     with pytest.raises(ValueError, match="g_once .* got post_grad = True, overlap_dx = False"):
         pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, overlap_dx=False, g_once=True)
+    with pytest.raises(ValueError, match="held_terms is one of g, all, .* needs g_once; got held_terms = 'all', "
+                                         "g_once = False"):
+        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, g_once=False, held_terms="all")
+    with pytest.raises(ValueError, match="got held_terms = 'some', g_once = True"):
+        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, held_terms="some")
 
 
 @needs_nvcc
@@ -237,6 +242,31 @@ def test_g_once_reads_each_lane_of_g_once_per_warpgroup_for_sm90(n, C):
     assert held_src.count("tma_load(g_desc") == src.count("tma_load(g_desc") == n
     assert len(re.findall(r"float2 g[0-9](?:_1)? = ", held_src)) == n * groups
     assert not re.findall(r"float2 g[0-9]", src)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n,C", [(4, 4096), (2, 40), (8, 8)])
+def test_held_terms_all_leaves_the_epilogue_one_add_after_each_wait_for_sm90(n, C):
+    """held_terms "all": every term of dx but the products held before the wait, dy converted once per
+    warpgroup; after each wait for a lane's products the epilogue reads no tile of x, dy or g, and adds one
+    value. With held_terms "g" it still reads dy and x there."""
+    from mhc_lab.kernels._target import BF16_PAIR_CONVERSION, compile_program
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+
+    def epilogues(src):  # the code after each wait for a lane's products up to its dx store's own wait (the
+        # last wait of a tile, for the dphi products, is followed by the stage's release: keep[0])
+        parts = [part.split("tma_store_wait")[0] for part in re.split(r"tl::wait_wgmma<\d+>\(\);", src)[1:]]
+        return [part for part in parts if "keep[0]" not in part]
+
+    sources = {held: compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True,
+                                                                held_terms=held), "sm_90").get_kernel_source()
+               for held in ("g", "all")}
+    assert len(epilogues(sources["g"])) == len(epilogues(sources["all"])) >= n
+    assert all("dys" in e for e in epilogues(sources["g"]))
+    for e in epilogues(sources["all"]):
+        assert not re.findall(BF16_PAIR_CONVERSION, e) and "dys" not in e
+    assert len(re.findall(BF16_PAIR_CONVERSION, sources["all"])) < len(re.findall(BF16_PAIR_CONVERSION,
+                                                                                   sources["g"]))
 
 
 @needs_nvcc
@@ -1336,14 +1366,15 @@ def test_cuda_lane_kernel_g_once_matches_float64(n, C, tokens):
     phi32 = phi.float()
     want = _kernel2_dx_truth(x, dy, coef, dmix, phi32) + torch.einsum("tij,tic->tjc", res.double(), g.double())
     partials = []
-    for tuning in ({"g_once": False}, {}):  # H_res^T g in line, and held per warpgroup (the default)
+    # H_res^T g in line, held per warpgroup (the default), and every term but the products held
+    for tuning in ({"g_once": False}, {}, {"held_terms": "all"}):
         _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, post_grad=True, lane_splits=2, **tuning)
         dx = torch.full_like(x, float("nan"))
         partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")
         lanes(x, dy, dsplit, coef, phi32, g, res, dx, partial)
         assert _relmax(dx, want) < 1e-2, tuning
         partials.append(partial)
-    assert torch.equal(*partials)
+    assert all(torch.equal(partials[0], p) for p in partials[1:])
 
 
 def test_training_benchmark_times_every_op_it_names():

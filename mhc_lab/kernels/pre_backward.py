@@ -63,6 +63,7 @@ from mhc_lab.kernels._target import (
 
 EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
 LANE_LEAVE_OUT_STEPS = ("dphi", "dx_gemm", "dmix_loads")  # kernel 2's timing steps, left out in this order
+HELD_TERMS = ("g", "all")  # kernel 2's held_terms: what g_once holds per lane before the products arrive
 JOINED_LEAVE_OUT = ("row_sums", "outputs", "second_barrier")  # the joined epilogue's, in any combination
 
 
@@ -468,7 +469,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
                                dy_once: bool | None = None, consumer_groups: int | None = None,
                                joined: bool = False, leave_out: tuple = (), joined_leave_out: tuple = (),
-                               g_once: bool | None = None):
+                               g_once: bool | None = None, held_terms: str = "g"):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -577,6 +578,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     320 of the 920-950 instructions a warpgroup issues per tile are bf16 unpacking; SASS, kernel notes). On the
     H200 at 16384 x 4096: 0.512 against 0.551 ms alone, 0.592 against 0.686 behind GEMMs at the power cap (run
     BO; 0.353 / 0.417 against 0.385 / 0.480 at C = 2560).
+    held_terms (with g_once): what each warpgroup holds per lane before its products arrive. "g": H_res^T g;
+    "all": every term of dx but the products (H_pre[j] dy + 2 ds x_j + H_res^T g, dy converted once for the
+    warpgroup's lanes), so that after each wait for a lane's products its epilogue adds one value to them. The
+    same instructions, moved to where the tensor cores run (run BS: the consumers waited on the products in 9%
+    of their samples); the same sums in another order. Built, not yet run on a GPU.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -706,6 +712,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                          f"lane_group = {LG}, n = {n}")
     if g_once is None:
         g_once = post_grad and overlap_dx
+    if held_terms not in HELD_TERMS or (held_terms != "g" and not g_once):
+        raise ValueError(f"pre backward (lanes): held_terms is one of {', '.join(HELD_TERMS)}, and other than 'g' "
+                         f"it needs g_once; got held_terms = {held_terms!r}, g_once = {g_once}")
     if g_once and not (post_grad and overlap_dx):
         raise ValueError(f"pre backward (lanes): g_once holds H_res^T g of the post's output gradient g for the "
                          f"overlapped lanes, so it needs post_grad and overlap_dx; got post_grad = {post_grad}, "
@@ -749,8 +758,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     @T.macro
     def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_s, dx_tile, gh_j=None):
         for tt, c in T.Parallel(BT, BC):
-            v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
-                 + coef_s[tt, n] * T.cast(x_j[tt, c], "float32"))
+            if gh_j is not None and held_terms == "all":  # every other term held already
+                v = acc[tt, c]
+            else:
+                v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
+                     + coef_s[tt, n] * T.cast(x_j[tt, c], "float32"))
             if dp_j is not None:  # the post's gradient of the same lanes, read once
                 v = v + T.cast(dp_j[tt, c], "float32")
             if gh_j is not None:  # H_res^T g of this lane, held in registers (g_once)
@@ -772,15 +784,23 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             T.tma_copy(dx_s, dx_tile)
 
     @T.macro
-    def hold_g(g_held, lanes_g, lg, gs, res_s):
-        # g_once: the tile's n lanes of g read once, H_res^T g formed for each of this warpgroup's lanes
+    def hold_g(g_held, lanes_g, lg, gs, res_s, xs, dy_src, coef_s):
+        # g_once: the tile's n lanes of g read once, H_res^T g formed for each of this warpgroup's lanes (with
+        # held_terms "all", on top of H_pre[j] dy + 2 ds x_j, dy read once)
         for tt, c in T.Parallel(BT, BC):
             # bound to names, so each lane of g is read once (a list's items were repeated at every use)
             g0, g1, g2, g3, g4, g5, g6, g7 = [T.cast(gs[i][tt, c], "float32") if i < n else T.float32(0)
                                               for i in range(8)]
             gv = [g0, g1, g2, g3, g4, g5, g6, g7][:n]
-            for k, jj in enumerate(lanes_g):
-                g_held[k][tt, c] = res_t_terms(None, res_s, tt, lg * LG + jj, gv)
+            if held_terms == "all":
+                dyv = T.cast(dy_src[tt, c], "float32")
+                for k, jj in enumerate(lanes_g):
+                    j = lg * LG + jj
+                    rest = coef_s[tt, j] * dyv + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32")
+                    g_held[k][tt, c] = res_t_terms(rest, res_s, tt, j, gv)
+            else:
+                for k, jj in enumerate(lanes_g):
+                    g_held[k][tt, c] = res_t_terms(None, res_s, tt, lg * LG + jj, gv)
 
     @T.macro
     def overlapped_lanes(lanes_g, t0, lg, c0, dy_src, dxf, accs, acc_phi, keep, g_held, a_dx, a_l0, a_hl, phi_s, xs,
@@ -790,7 +810,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         later = 2 if dx_products == 3 else 1  # wgmma groups one lane's dx GEMMs commit
         dx_gemms(a_dx, a_l0, phi_s[lanes_g[0]], accs[lanes_g[0]], ASYNC)
         if g_held is not None:  # while the tensor cores run the first lane's products
-            hold_g(g_held, lanes_g, lg, gs, res_s)
+            hold_g(g_held, lanes_g, lg, gs, res_s, xs, dy_src, coef_s)
         for i, jj in enumerate(lanes_g):
             if i + 1 < len(lanes_g):
                 dx_gemms(a_dx, a_l0, phi_s[lanes_g[i + 1]], accs[lanes_g[i + 1]], ASYNC)

@@ -627,7 +627,7 @@ def post_project_wait(wait: str):
 
 
 LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo", "overlap_dx",
-                "ctas_per_sm", "swizzle_epilogue", "stage_dx", "dy_once", "consumer_groups", "g_once")
+                "ctas_per_sm", "swizzle_epilogue", "stage_dx", "dy_once", "consumer_groups", "g_once", "held_terms")
 
 
 def check_lane_tuning(tuning: dict) -> dict:
