@@ -245,11 +245,12 @@ def test_g_once_reads_each_lane_of_g_once_per_warpgroup_for_sm90(n, C):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("held", ["all", "acc"])
 @pytest.mark.parametrize("n,C", [(4, 4096), (2, 40), (8, 8)])
-def test_held_terms_all_leaves_the_epilogue_one_add_after_each_wait_for_sm90(n, C):
+def test_held_terms_leave_the_epilogue_no_tile_to_read_after_each_wait_for_sm90(n, C, held):
     """held_terms "all": every term of dx but the products held before the wait, dy converted once per
-    warpgroup; after each wait for a lane's products the epilogue reads no tile of x, dy or g, and adds one
-    value. With held_terms "g" it still reads dy and x there."""
+    warpgroup; "acc": the same terms written into the accumulators before the products. After each wait for a
+    lane's products the epilogue reads no tile of x, dy or g. With held_terms "g" it still reads dy and x there."""
     from mhc_lab.kernels._target import BF16_PAIR_CONVERSION, compile_program
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
@@ -258,15 +259,15 @@ def test_held_terms_all_leaves_the_epilogue_one_add_after_each_wait_for_sm90(n, 
         parts = [part.split("tma_store_wait")[0] for part in re.split(r"tl::wait_wgmma<\d+>\(\);", src)[1:]]
         return [part for part in parts if "keep[0]" not in part]
 
-    sources = {held: compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True,
-                                                                held_terms=held), "sm_90").get_kernel_source()
-               for held in ("g", "all")}
-    assert len(epilogues(sources["g"])) == len(epilogues(sources["all"])) >= n
+    sources = {h: compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True,
+                                                             held_terms=h), "sm_90").get_kernel_source()
+               for h in ("g", held)}
+    assert len(epilogues(sources["g"])) == len(epilogues(sources[held])) >= n
     assert all("dys" in e for e in epilogues(sources["g"]))
-    for e in epilogues(sources["all"]):
-        assert not re.findall(BF16_PAIR_CONVERSION, e) and "dys" not in e
-    assert len(re.findall(BF16_PAIR_CONVERSION, sources["all"])) < len(re.findall(BF16_PAIR_CONVERSION,
-                                                                                   sources["g"]))
+    for e in epilogues(sources[held]):
+        assert not re.findall(BF16_PAIR_CONVERSION, e) and "dys" not in e and "res_s" not in e
+    assert len(re.findall(BF16_PAIR_CONVERSION, sources[held])) < len(re.findall(BF16_PAIR_CONVERSION,
+                                                                                  sources["g"]))
 
 
 @needs_nvcc
@@ -1366,8 +1367,9 @@ def test_cuda_lane_kernel_g_once_matches_float64(n, C, tokens):
     phi32 = phi.float()
     want = _kernel2_dx_truth(x, dy, coef, dmix, phi32) + torch.einsum("tij,tic->tjc", res.double(), g.double())
     partials = []
-    # H_res^T g in line, held per warpgroup (the default), and every term but the products held
-    for tuning in ({"g_once": False}, {}, {"held_terms": "all"}):
+    # H_res^T g in line, held per warpgroup (the default), every term but the products held, and those terms
+    # in the accumulators before the products
+    for tuning in ({"g_once": False}, {}, {"held_terms": "all"}, {"held_terms": "acc"}):
         _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, post_grad=True, lane_splits=2, **tuning)
         dx = torch.full_like(x, float("nan"))
         partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")

@@ -63,7 +63,7 @@ from mhc_lab.kernels._target import (
 
 EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
 LANE_LEAVE_OUT_STEPS = ("dphi", "dx_gemm", "dmix_loads")  # kernel 2's timing steps, left out in this order
-HELD_TERMS = ("g", "all")  # kernel 2's held_terms: what g_once holds per lane before the products arrive
+HELD_TERMS = ("g", "all", "acc")  # kernel 2's held_terms: what g_once holds per lane, and where
 JOINED_LEAVE_OUT = ("row_sums", "outputs", "second_barrier")  # the joined epilogue's, in any combination
 
 
@@ -582,7 +582,10 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     "all": every term of dx but the products (H_pre[j] dy + 2 ds x_j + H_res^T g, dy converted once for the
     warpgroup's lanes), so that after each wait for a lane's products its epilogue adds one value to them. The
     same instructions, moved to where the tensor cores run (run BS: the consumers waited on the products in 9%
-    of their samples); the same sums in another order. Built, not yet run on a GPU.
+    of their samples); the same sums in another order. "acc": the same terms written into each lane's
+    accumulator before its products are issued, which then add onto them (wgmma's scale-d 1): no add after the
+    wait and no held fragments, at the price of forming them before the tile's first products rather than beside
+    them. Built, not yet run on a GPU.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -715,6 +718,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     if held_terms not in HELD_TERMS or (held_terms != "g" and not g_once):
         raise ValueError(f"pre backward (lanes): held_terms is one of {', '.join(HELD_TERMS)}, and other than 'g' "
                          f"it needs g_once; got held_terms = {held_terms!r}, g_once = {g_once}")
+    into_acc = g_once and held_terms == "acc"  # every term but the products written into the accumulators
     if g_once and not (post_grad and overlap_dx):
         raise ValueError(f"pre backward (lanes): g_once holds H_res^T g of the post's output gradient g for the "
                          f"overlapped lanes, so it needs post_grad and overlap_dx; got post_grad = {post_grad}, "
@@ -734,10 +738,12 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     ASYNC = {"wg_wait": -1}  # issue the GEMM without waiting for it (T.wait_wgmma waits)
 
     @T.macro
-    def dx_gemms(a_dx, a_l0, phi_j, acc, annotations):
+    def dx_gemms(a_dx, a_l0, phi_j, acc, annotations, onto_acc=False):
         # hi (phi_hi + phi_lo), then lo phi_hi; with more than one consumer warpgroup (block_tokens 128, 256
-        # threads) each takes its own 64 tokens, all 32 columns (m64n32k16)
-        if CG > 1:  # the first product overwrites the accumulator (wgmma's scale-d 0): a T.clear in a
+        # threads) each takes its own 64 tokens, all 32 columns (m64n32k16); onto_acc: added to what acc holds
+        if onto_acc:
+            T.gemm(a_dx, phi_j, acc, policy=T.GemmWarpPolicy.FullRow, annotations=annotations)
+        elif CG > 1:  # the first product overwrites the accumulator (wgmma's scale-d 0): a T.clear in a
             # warpgroup's branch made ptxas serialise every wgmma (C7518, "WG.DP in divergent path")
             T.gemm(a_dx, phi_j, acc, policy=T.GemmWarpPolicy.FullRow, clear_accum=True, annotations=annotations)
         else:
@@ -758,7 +764,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     @T.macro
     def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_s, dx_tile, gh_j=None):
         for tt, c in T.Parallel(BT, BC):
-            if gh_j is not None and held_terms == "all":  # every other term held already
+            if into_acc or (gh_j is not None and held_terms == "all"):  # every other term held (or in acc)
                 v = acc[tt, c]
             else:
                 v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
@@ -767,7 +773,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 v = v + T.cast(dp_j[tt, c], "float32")
             if gh_j is not None:  # H_res^T g of this lane, held in registers (g_once)
                 v = v + gh_j[tt, c]
-            elif gs is not None:  # H_res^T g, from the post's output gradient (all lanes in this CTA)
+            elif gs is not None and not into_acc:  # H_res^T g from the post's output gradient (all lanes here)
                 v = res_t_terms(v, res_s, tt, j, [T.cast(gs[i][tt, c], "float32") for i in lanes])
             if joined:  # all lanes' dx in one buffer, for the joined epilogue; never stored
                 dx_s[j, tt, c] = T.cast(v, dtype)
@@ -792,7 +798,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             g0, g1, g2, g3, g4, g5, g6, g7 = [T.cast(gs[i][tt, c], "float32") if i < n else T.float32(0)
                                               for i in range(8)]
             gv = [g0, g1, g2, g3, g4, g5, g6, g7][:n]
-            if held_terms == "all":
+            if held_terms != "g":
                 dyv = T.cast(dy_src[tt, c], "float32")
                 for k, jj in enumerate(lanes_g):
                     j = lg * LG + jj
@@ -808,12 +814,14 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         # one consumer warpgroup's lanes: each lane's dx GEMMs issued before the previous lane's epilogue, its
         # dphi GEMM after it, none waited for at its issue
         later = 2 if dx_products == 3 else 1  # wgmma groups one lane's dx GEMMs commit
-        dx_gemms(a_dx, a_l0, phi_s[lanes_g[0]], accs[lanes_g[0]], ASYNC)
+        if into_acc:  # every term but the products in the lanes' accumulators, before any of them is issued
+            hold_g([accs[jj] for jj in lanes_g], lanes_g, lg, gs, res_s, xs, dy_src, coef_s)
+        dx_gemms(a_dx, a_l0, phi_s[lanes_g[0]], accs[lanes_g[0]], ASYNC, into_acc)
         if g_held is not None:  # while the tensor cores run the first lane's products
             hold_g(g_held, lanes_g, lg, gs, res_s, xs, dy_src, coef_s)
         for i, jj in enumerate(lanes_g):
             if i + 1 < len(lanes_g):
-                dx_gemms(a_dx, a_l0, phi_s[lanes_g[i + 1]], accs[lanes_g[i + 1]], ASYNC)
+                dx_gemms(a_dx, a_l0, phi_s[lanes_g[i + 1]], accs[lanes_g[i + 1]], ASYNC, into_acc)
                 T.wait_wgmma(later)
             else:
                 T.wait_wgmma(0)
@@ -921,8 +929,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             # _present(dy_held, dys)[0]: dy_held where it exists, else the shared tile)
             dy_helds = [T.alloc_fragment((BT, BC), "float32") if dy_once else None for _ in range(CG)]
             # g_once: each consumer warpgroup's H_res^T g, one float32 fragment per lane of its own
-            g_helds = [[T.alloc_fragment((BT, BC), "float32") for _ in group_lanes[k]] if g_once else None
-                       for k in range(CG)]
+            g_helds = [[T.alloc_fragment((BT, BC), "float32") for _ in group_lanes[k]]
+                       if g_once and not into_acc else None for k in range(CG)]
             if joined:  # the previous site's lanes, f and coefficients; each group's products, outputs and sums
                 xps = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
                 fps = T.alloc_shared((BT, BC), dtype)
