@@ -319,3 +319,22 @@ def test_block_table_gives_the_rounds_median_where_the_run_timed_rounds():
     lines = training_lab.block_table({"block": [row]}).splitlines()
     assert lines[1].endswith("peak -") and "rounds" not in lines[1]
     assert lines[2].endswith("3 rounds: median +10.0%") and "+15.0%" in lines[2]
+
+
+def test_hot_kernels_table_renders_the_recorded_profile_and_a_made_up_one():
+    recorded = training_lab.load_recorded()["results"]
+    text = training_lab.hot_kernels_table(recorded)
+    for name, row in recorded["hot_kernels_profile"]["kernels"].items():
+        assert name.split(" (")[0] in text and f"{row['duration_us']:.0f}" in text
+        for label, count in row["consumer_loop_instructions_per_warp"].items():
+            assert any(line.strip().startswith(label) and str(count) in line for line in text.splitlines())
+    made_up = {"hot_kernels_profile": {"run": "Z", "tokens": 8, "C": 16, "kernels": {
+        "one (a)": {"duration_us": 12.0, "consumer_loop_instructions_per_warp": {"adds": 7}},
+        "two (b)": {"duration_us": 3.0, "issue_slots_busy_pct": 41.0,
+                    "consumer_loop_instructions_per_warp": {"adds": 2, "loads": 5}}}}}
+    lines = training_lab.hot_kernels_table(made_up).splitlines()
+    assert lines[0] == "run Z, 8 x 16, Nsight Compute"
+    assert lines[2].split() == ["time", "(us)", "12", "3"]
+    assert next(x for x in lines if x.startswith("issue slots")).split()[-2:] == ["-", "41"]
+    assert next(x for x in lines if x.strip().startswith("loads")).split() == ["loads", "0", "5"]
+    assert training_lab.hot_kernels_table({}) == "(no profile of the two kernels recorded)"

@@ -957,6 +957,35 @@ def behind_gemms_table(results: dict | None, top: int = 5) -> str:
     return "\n".join(lines) if lines else "(no runs behind GEMMs recorded)"
 
 
+def hot_kernels_table(results: dict | None) -> str:
+    """The recorded Nsight Compute summary of the two kernels that set the block's extra time
+    (hot_kernels_profile): time, issue, warps, and each consumer warp's instructions per tile by class."""
+    profile = (results or {}).get("hot_kernels_profile") or {}
+    kernels = profile.get("kernels") or {}
+    if not kernels:
+        return "(no profile of the two kernels recorded)"
+    names = list(kernels)
+    rows = [("time (us)", "duration_us", "{:.0f}"), ("SM clock (GHz)", "sm_clock_ghz", "{:.2f}"),
+            ("DRAM (% of peak)", "dram_pct", "{:.0f}"), ("issue slots busy (%)", "issue_slots_busy_pct", "{:.0f}"),
+            ("warps per scheduler", "active_warps_per_scheduler", "{:.2f}"),
+            ("  of them eligible", "eligible_warps_per_scheduler", "{:.2f}"),
+            ("instructions per warp and tile", "consumer_loop_instructions_per_warp_total", "{:.0f}")]
+    width = 26
+    lines = [f"run {profile.get('run', '?')}, {profile.get('tokens')} x {profile.get('C')}, Nsight Compute",
+             f"{'':<34}" + "".join(f"{n.split(' (')[0][:width]:>{width}}" for n in names)]
+    for label, key, fmt in rows:
+        lines.append(f"{label:<34}" + "".join(
+            f"{fmt.format(kernels[n][key]) if isinstance(kernels[n].get(key), (int, float)) else '-':>{width}}"
+            for n in names))
+    classes = sorted({c for n in names for c in kernels[n].get("consumer_loop_instructions_per_warp") or {}},
+                     key=lambda c: -sum((kernels[n].get("consumer_loop_instructions_per_warp") or {}).get(c, 0)
+                                        for n in names))
+    for c in classes:
+        lines.append(f"  {c:<32}" + "".join(
+            f"{(kernels[n].get('consumer_loop_instructions_per_warp') or {}).get(c, 0):>{width}}" for n in names))
+    return "\n".join(lines)
+
+
 def block_figure(results: dict, label: str):
     """Overhead of each mHC implementation over the plain residual, per width C (bars), with the paper's 6.7%."""
     import plotly.graph_objects as go
