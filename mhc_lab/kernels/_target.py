@@ -170,7 +170,8 @@ def code_generation():
 
 
 def compile_program(program, target: str, pass_configs: dict | None = None):
-    """``tilelang.compile`` for one of our canonical targets (thread-safe; logs quieted; C target with -O3).
+    """``tilelang.compile`` for one of our canonical targets (thread-safe; logs quieted; C target with -O3; CUDA
+    with its bf16 pairs converted by two_instruction_bf16_pairs and CUDA_FLAGS).
 
     A program compiled before in this process comes from TileLang's memory cache, without its warning."""
     import logging
