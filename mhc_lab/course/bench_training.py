@@ -24,7 +24,9 @@ Block kernels (part "block_kernels"): the plain and the chained block profiled k
 block's connections with identities for layers, to say where the block's extra time goes. Behind GEMMs (part
 "behind_gemms"): the chained site's kernels profiled alone and behind matmuls that bring the GPU to its power cap.
 Host (part "host", not in the default parts): what the host costs per site, at a small shape where the GPU's
-work is tiny, and lab 07's model's step against the GPU time of its kernels (bench_host).
+work is tiny, and lab 07's model's step against the GPU time of its kernels (bench_host). Profile (part
+"profile_kernels", records nothing): kernel 2 of the pre backward and the post + projection once each between
+cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`.
 Results go to mhc_lab/recorded/training_h200.json unless --no-save.
 """
 
