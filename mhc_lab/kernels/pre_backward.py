@@ -792,7 +792,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     @T.macro
     def hold_g(g_held, lanes_g, lg, gs, res_s, xs, dy_src, coef_s):
         # g_once: the tile's n lanes of g read once, H_res^T g formed for each of this warpgroup's lanes (with
-        # held_terms "all", on top of H_pre[j] dy + 2 ds x_j, dy read once)
+        # held_terms "all" or "acc", on top of H_pre[j] dy + 2 ds x_j, dy read once; "acc" passes the
+        # accumulators as g_held)
         for tt, c in T.Parallel(BT, BC):
             # bound to names, so each lane of g is read once (a list's items were repeated at every use)
             g0, g1, g2, g3, g4, g5, g6, g7 = [T.cast(gs[i][tt, c], "float32") if i < n else T.float32(0)
