@@ -338,3 +338,5 @@ def test_hot_kernels_table_renders_the_recorded_profile_and_a_made_up_one():
     assert next(x for x in lines if x.startswith("issue slots")).split()[-2:] == ["-", "41"]
     assert next(x for x in lines if x.strip().startswith("loads")).split() == ["loads", "0", "5"]
     assert training_lab.hot_kernels_table({}) == "(no profile of the two kernels recorded)"
+    made_up["hot_kernels_profile"]["note"] = "built another way"
+    assert training_lab.hot_kernels_table(made_up).splitlines()[1:3] == ["built another way", lines[1]]

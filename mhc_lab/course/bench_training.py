@@ -774,17 +774,20 @@ def hot_kernel_calls(tokens: int, C: int, n: int = N) -> dict:
     x, f = rand(tokens, n, C, kind=bf16), rand(tokens, C, kind=bf16)
     phi = rand(m, n * C, scale=1 / math.sqrt(n * C))
     res = torch.rand(tokens, n, n, generator=gen, **f32)
-    splits = _training_ops._lane_splits(n, C, x.device, False, True)
-    _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, lane_splits=splits, post_grad=True,
+    lane_splits = _training_ops._lane_splits(n, C, x.device, False, True)
+    _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", lane_splits=lane_splits, post_grad=True,
                                     **_training_ops.LANE_TUNING)
     dy, g = rand(tokens, C, kind=bf16), rand(tokens, n, C, kind=bf16)
     dsplit, coef = rand(tokens, 3, 2 * gemm_depth(n), kind=bf16), rand(tokens, coef_width(n))
-    dx, dphi_partial = torch.empty_like(x), torch.empty(dphi_partial_shape(splits, n, C), **f32)
+    dx, dphi_partial = torch.empty_like(x), torch.empty(dphi_partial_shape(lane_splits, n, C), **f32)
     phi_hl = torch.empty((phi_rows(n), n * C), **bf16)
     phi_split_kernel(n, C, "cuda")(phi, phi_hl)
     post = torch.rand(tokens, n, generator=gen, **f32) * 2
-    project = post_project_kernel(n, C, "bfloat16", "cuda", splits=4, gemm_wait=_training_ops.POST_PROJECT_WAIT)
-    out, partial = torch.empty_like(x), torch.empty((4, tokens, m + 1), **f32)
+    # the column splits a chained post projects into, as post_forward_linked's
+    splits = _training_ops.partial_splits("kernels", x, chained=True)
+    project = post_project_kernel(n, C, "bfloat16", "cuda", splits=splits,
+                                  gemm_wait=_training_ops.POST_PROJECT_WAIT)
+    out, partial = torch.empty_like(x), torch.empty((splits, tokens, m + 1), **f32)
     return {"kernel 2 (42C path)": lambda: lanes(x, dy, dsplit, coef, phi, g, res, dx, dphi_partial),
             "post + projection": lambda: project(x, f, post, res, phi_hl, out, partial)}
 

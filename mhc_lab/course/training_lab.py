@@ -971,18 +971,19 @@ def hot_kernels_table(results: dict | None) -> str:
             ("  of them eligible", "eligible_warps_per_scheduler", "{:.2f}"),
             ("instructions per warp and tile", "consumer_loop_instructions_per_warp_total", "{:.0f}")]
     width = 26
-    lines = [f"run {profile.get('run', '?')}, {profile.get('tokens')} x {profile.get('C')}, Nsight Compute",
-             f"{'':<34}" + "".join(f"{n.split(' (')[0][:width]:>{width}}" for n in names)]
+    lines = [f"run {profile.get('run', '?')}, {profile.get('tokens')} x {profile.get('C')}, Nsight Compute"]
+    if profile.get("note"):
+        lines.append(profile["note"])
+    lines.append(f"{'':<34}" + "".join(f"{n.split(' (')[0][:width]:>{width}}" for n in names))
     for label, key, fmt in rows:
         lines.append(f"{label:<34}" + "".join(
             f"{fmt.format(kernels[n][key]) if isinstance(kernels[n].get(key), (int, float)) else '-':>{width}}"
             for n in names))
-    classes = sorted({c for n in names for c in kernels[n].get("consumer_loop_instructions_per_warp") or {}},
-                     key=lambda c: -sum((kernels[n].get("consumer_loop_instructions_per_warp") or {}).get(c, 0)
-                                        for n in names))
+    per_tile = {n: kernels[n].get("consumer_loop_instructions_per_warp") or {} for n in names}
+    classes = sorted({c for counts in per_tile.values() for c in counts},
+                     key=lambda c: -sum(counts.get(c, 0) for counts in per_tile.values()))
     for c in classes:
-        lines.append(f"  {c:<32}" + "".join(
-            f"{(kernels[n].get('consumer_loop_instructions_per_warp') or {}).get(c, 0):>{width}}" for n in names))
+        lines.append(f"  {c:<32}" + "".join(f"{per_tile[n].get(c, 0):>{width}}" for n in names))
     return "\n".join(lines)
 
 
