@@ -6,6 +6,7 @@
     python -m mhc_lab.bench training [--out DIR]      lab 07: site forward + backward, transformer block
     python -m mhc_lab.bench all [--out DIR]
     python -m mhc_lab.bench warm [--widths ...]       compile the kernels of the runs above in parallel first
+    python -m mhc_lab.bench ncu-summary DETAILS SASS  summarise Nsight Compute's CSV exports of a profile
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SUITES = {
     "forward": "mhc_lab.course.bench_forward",
     "training": "mhc_lab.course.bench_training",
     "warm": "mhc_lab.course.bench_warm",
+    "ncu-summary": "mhc_lab.course.ncu_summary",
 }
 MEASURING = ("memory-wall", "tilelang", "forward", "training")  # what "all" runs
 

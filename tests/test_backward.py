@@ -218,9 +218,11 @@ def test_the_post_gradient_path_refuses_what_it_cannot_run():
         pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", add_dx=True, g_once=True)
     with pytest.raises(ValueError, match="g_once .* got post_grad = True, overlap_dx = False"):
         pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, overlap_dx=False, g_once=True)
-    with pytest.raises(ValueError, match="held_terms is one of g, all, .* needs g_once; got held_terms = 'all', "
+    with pytest.raises(ValueError, match="held_terms is one of g, acc, .* needs g_once; got held_terms = 'acc', "
                                          "g_once = False"):
-        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, g_once=False, held_terms="all")
+        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, g_once=False, held_terms="acc")
+    with pytest.raises(ValueError, match="got held_terms = 'all', g_once = True"):  # tried, measured, dropped
+        pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, held_terms="all")
     with pytest.raises(ValueError, match="got held_terms = 'some', g_once = True"):
         pre_backward_lanes_program(4, 64, "bfloat16", "sm_90", post_grad=True, held_terms="some")
 
@@ -229,28 +231,30 @@ def test_the_post_gradient_path_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("n,C", [(4, 4096), (2, 40), (8, 8)])
 def test_g_once_reads_each_lane_of_g_once_per_warpgroup_for_sm90(n, C):
     """g_once: each consumer warpgroup binds the tile's n lanes of g to names once (g0 .. g{n-1}, the second
-    warpgroup's with a suffix) and holds H_res^T g per lane; without it the epilogue reads them again for every
-    lane. The same pipeline loads."""
+    warpgroup's with a suffix) and forms H_res^T g per lane, held (held_terms "g") or in the accumulators ("acc",
+    the default); without it the epilogue reads them again for every lane. The same pipeline loads."""
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
 
     groups = lane_tiling(n, post_grad=True)[2]
     plain = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True, g_once=False),
                             "sm_90")
-    held = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True), "sm_90")
-    src, held_src = plain.get_kernel_source(), held.get_kernel_source()
-    assert held_src.count("tma_load(g_desc") == src.count("tma_load(g_desc") == n
-    assert len(re.findall(r"float2 g[0-9](?:_1)? = ", held_src)) == n * groups
+    src = plain.get_kernel_source()
     assert not re.findall(r"float2 g[0-9]", src)
+    for held_terms in ("g", "acc"):
+        held_src = compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", post_grad=True,
+                                                              held_terms=held_terms), "sm_90").get_kernel_source()
+        assert held_src.count("tma_load(g_desc") == src.count("tma_load(g_desc") == n
+        assert len(re.findall(r"float2 g[0-9](?:_1)? = ", held_src)) == n * groups
 
 
 @needs_nvcc
-@pytest.mark.parametrize("held", ["all", "acc"])
 @pytest.mark.parametrize("n,C", [(4, 4096), (2, 40), (8, 8)])
-def test_held_terms_leave_the_epilogue_no_tile_to_read_after_each_wait_for_sm90(n, C, held):
-    """held_terms "all": every term of dx but the products held before the wait, dy converted once per
-    warpgroup; "acc": the same terms written into the accumulators before the products. After each wait for a
-    lane's products the epilogue reads no tile of x, dy or g. With held_terms "g" it still reads dy and x there."""
+def test_held_terms_leave_the_epilogue_no_tile_to_read_after_each_wait_for_sm90(n, C):
+    """held_terms "acc" (the default with g_once): every term of dx but the products written into the
+    accumulators before the products, dy converted once per warpgroup. After each wait for a lane's products the
+    epilogue reads no tile of x, dy or g. With held_terms "g" it still reads dy and x there."""
+    held = "acc"
     from mhc_lab.kernels._target import BF16_PAIR_CONVERSION, compile_program
     from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
 
@@ -1353,9 +1357,10 @@ def test_cuda_lane_kernel_overlapped_gives_the_plain_kernels_bits(n, C, tokens, 
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens", [(4, 4096, 300), (4, 136, 1), (2, 40, 33), (8, 8, 65), (1, 1000, 129)])
 def test_cuda_lane_kernel_g_once_matches_float64(n, C, tokens):
-    """Kernel 2 with the post's output gradient, H_res^T g held per warpgroup (g_once, the default) and not,
-    against float64 sums of its operands: dx = dmix phi_j + H_pre[j] dy + 2 ds x_j + sum_i H_res[i, j] g_i;
-    outputs poisoned first. dphi does not see g: the same bits either way."""
+    """Kernel 2 with the post's output gradient, H_res^T g formed per warpgroup (g_once), held or in the
+    accumulators with the other terms (held_terms "acc", the default), and not, against float64 sums of its
+    operands: dx = dmix phi_j + H_pre[j] dy + 2 ds x_j + sum_i H_res[i, j] g_i; outputs poisoned first.
+    dphi does not see g: the same bits either way."""
     from mhc_lab.kernels.pre_backward import gemm_depth, pre_backward_kernels
 
     x, phi, _, _, _ = _site_inputs((tokens,), n, C, seed=tokens + 5, device="cuda")
@@ -1367,9 +1372,9 @@ def test_cuda_lane_kernel_g_once_matches_float64(n, C, tokens):
     phi32 = phi.float()
     want = _kernel2_dx_truth(x, dy, coef, dmix, phi32) + torch.einsum("tij,tic->tjc", res.double(), g.double())
     partials = []
-    # H_res^T g in line, held per warpgroup (the default), every term but the products held, and those terms
-    # in the accumulators before the products
-    for tuning in ({"g_once": False}, {}, {"held_terms": "all"}, {"held_terms": "acc"}):
+    # H_res^T g in line, held per warpgroup, and every term but the products in the accumulators before the
+    # products (the default)
+    for tuning in ({"g_once": False}, {"held_terms": "g"}, {}):
         _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=4, post_grad=True, lane_splits=2, **tuning)
         dx = torch.full_like(x, float("nan"))
         partial = torch.full((2, 2 * gemm_depth(n), n * C), float("nan"), device="cuda")

@@ -321,22 +321,32 @@ def test_block_table_gives_the_rounds_median_where_the_run_timed_rounds():
     assert lines[2].endswith("3 rounds: median +10.0%") and "+15.0%" in lines[2]
 
 
-def test_hot_kernels_table_renders_the_recorded_profile_and_a_made_up_one():
+def test_hot_kernels_table_renders_the_recorded_profiles_and_made_up_ones():
     recorded = training_lab.load_recorded()["results"]
     text = training_lab.hot_kernels_table(recorded)
-    for name, row in recorded["hot_kernels_profile"]["kernels"].items():
-        assert name.split(" (")[0] in text and f"{row['duration_us']:.0f}" in text
-        for label, count in row["consumer_loop_instructions_per_warp"].items():
-            assert any(line.strip().startswith(label) and str(count) in line for line in text.splitlines())
-    made_up = {"hot_kernels_profile": {"run": "Z", "tokens": 8, "C": 16, "kernels": {
+    for key in training_lab.HOT_KERNEL_PROFILES:
+        assert f"run {recorded[key]['run']}" in text
+        for name, row in recorded[key]["kernels"].items():
+            assert name.split(" (")[0][:14] in text and f"{row['duration_us']:.0f}" in text
+            for label, count in row["consumer_loop_instructions_per_warp"].items():
+                assert any(line.strip().startswith(label) and str(count) in line for line in text.splitlines())
+    now = {"run": "Z", "tokens": 8, "C": 16, "kernels": {
         "one (a)": {"duration_us": 12.0, "consumer_loop_instructions_per_warp": {"adds": 7}},
         "two (b)": {"duration_us": 3.0, "issue_slots_busy_pct": 41.0,
-                    "consumer_loop_instructions_per_warp": {"adds": 2, "loads": 5}}}}}
-    lines = training_lab.hot_kernels_table(made_up).splitlines()
-    assert lines[0] == "run Z, 8 x 16, Nsight Compute"
-    assert lines[2].split() == ["time", "(us)", "12", "3"]
+                    "consumer_loop_instructions_per_warp": {"adds": 2, "loads": 5}}}}
+    lines = training_lab.hot_kernels_table({"hot_kernels_profile": now}).splitlines()
+    assert lines[0] == "8 x 16, Nsight Compute"
+    assert lines[1].split() == ["one", "two"] and lines[2].split() == ["run", "Z", "run", "Z"]
+    assert lines[3].split() == ["time", "(us)", "12", "3"]
     assert next(x for x in lines if x.startswith("issue slots")).split()[-2:] == ["-", "41"]
     assert next(x for x in lines if x.strip().startswith("loads")).split() == ["loads", "0", "5"]
     assert training_lab.hot_kernels_table({}) == "(no profile of the two kernels recorded)"
-    made_up["hot_kernels_profile"]["note"] = "built another way"
-    assert training_lab.hot_kernels_table(made_up).splitlines()[1:3] == ["built another way", lines[1]]
+    # an earlier run beside it: a column per kernel and run, the earlier first; its note on top
+    before = {"run": "Y", "tokens": 8, "C": 16, "note": "built another way", "kernels": {
+        "one (a)": {"duration_us": 20.0, "consumer_loop_instructions_per_warp": {"adds": 9}}}}
+    lines = training_lab.hot_kernels_table({"hot_kernels_profile": now, "earlier": before},
+                                           keys=("earlier", "hot_kernels_profile")).splitlines()
+    assert lines[1] == "run Y: built another way"
+    assert lines[2].split() == ["one", "one", "two"] and lines[3].split() == ["run", "Y", "run", "Z", "run", "Z"]
+    assert lines[4].split() == ["time", "(us)", "20", "12", "3"]
+    assert next(x for x in lines if x.strip().startswith("adds")).split() == ["adds", "9", "7", "2"]

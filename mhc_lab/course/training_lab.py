@@ -19,6 +19,7 @@ import gc
 import json
 import math
 import statistics
+import textwrap
 from typing import Callable, Sequence
 
 import torch
@@ -957,33 +958,37 @@ def behind_gemms_table(results: dict | None, top: int = 5) -> str:
     return "\n".join(lines) if lines else "(no runs behind GEMMs recorded)"
 
 
-def hot_kernels_table(results: dict | None) -> str:
-    """The recorded Nsight Compute summary of the two kernels that set the block's extra time
-    (hot_kernels_profile): time, issue, warps, and each consumer warp's instructions per tile by class."""
-    profile = (results or {}).get("hot_kernels_profile") or {}
-    kernels = profile.get("kernels") or {}
-    if not kernels:
+HOT_KERNEL_PROFILES = ("hot_kernels_profile_run_BS", "hot_kernels_profile")  # before the last cuts, then now
+
+
+def hot_kernels_table(results: dict | None, keys: tuple = HOT_KERNEL_PROFILES) -> str:
+    """The recorded Nsight Compute summaries of the two kernels that set the block's extra time (each of
+    ``keys`` that the results hold, earliest first): time, issue, warps, and each consumer warp's instructions
+    per tile by class, a column per kernel and run."""
+    profiles = [results[k] for k in keys if (results or {}).get(k, {}).get("kernels")]
+    if not profiles:
         return "(no profile of the two kernels recorded)"
-    names = list(kernels)
+    names = list(dict.fromkeys(n for p in profiles for n in p["kernels"]))
+    columns = [(p, n) for n in names for p in profiles if n in p["kernels"]]
     rows = [("time (us)", "duration_us", "{:.0f}"), ("SM clock (GHz)", "sm_clock_ghz", "{:.2f}"),
             ("DRAM (% of peak)", "dram_pct", "{:.0f}"), ("issue slots busy (%)", "issue_slots_busy_pct", "{:.0f}"),
             ("warps per scheduler", "active_warps_per_scheduler", "{:.2f}"),
             ("  of them eligible", "eligible_warps_per_scheduler", "{:.2f}"),
             ("instructions per warp and tile", "consumer_loop_instructions_per_warp_total", "{:.0f}")]
-    width = 26
-    lines = [f"run {profile.get('run', '?')}, {profile.get('tokens')} x {profile.get('C')}, Nsight Compute"]
-    if profile.get("note"):
-        lines.append(profile["note"])
-    lines.append(f"{'':<34}" + "".join(f"{n.split(' (')[0][:width]:>{width}}" for n in names))
+    width = 16
+    lines = [f"{profiles[-1].get('tokens')} x {profiles[-1].get('C')}, Nsight Compute"]
+    lines += [textwrap.fill(f"run {p.get('run', '?')}: {p['note']}", 110, subsequent_indent="  ")
+              for p in profiles if p.get("note")]
+    lines.append(f"{'':<34}" + "".join(f"{n.split(' (')[0][:width - 2]:>{width}}" for _, n in columns))
+    lines.append(f"{'':<34}" + "".join(f"{'run ' + str(p.get('run', '?')):>{width}}" for p, _ in columns))
     for label, key, fmt in rows:
+        values = [p["kernels"][n].get(key) for p, n in columns]
         lines.append(f"{label:<34}" + "".join(
-            f"{fmt.format(kernels[n][key]) if isinstance(kernels[n].get(key), (int, float)) else '-':>{width}}"
-            for n in names))
-    per_tile = {n: kernels[n].get("consumer_loop_instructions_per_warp") or {} for n in names}
-    classes = sorted({c for counts in per_tile.values() for c in counts},
-                     key=lambda c: -sum(counts.get(c, 0) for counts in per_tile.values()))
+            f"{fmt.format(v) if isinstance(v, (int, float)) else '-':>{width}}" for v in values))
+    per_tile = [p["kernels"][n].get("consumer_loop_instructions_per_warp") or {} for p, n in columns]
+    classes = sorted({c for counts in per_tile for c in counts}, key=lambda c: -sum(t.get(c, 0) for t in per_tile))
     for c in classes:
-        lines.append(f"  {c:<32}" + "".join(f"{per_tile[n].get(c, 0):>{width}}" for n in names))
+        lines.append(f"  {c:<32}" + "".join(f"{t.get(c, 0):>{width}}" for t in per_tile))
     return "\n".join(lines)
 
 

@@ -63,7 +63,7 @@ from mhc_lab.kernels._target import (
 
 EXTRA = 4  # per-token extras of kernel 1: d alpha_pre, d alpha_post, d alpha_res, d sum(x^2)
 LANE_LEAVE_OUT_STEPS = ("dphi", "dx_gemm", "dmix_loads")  # kernel 2's timing steps, left out in this order
-HELD_TERMS = ("g", "all", "acc")  # kernel 2's held_terms: what g_once holds per lane, and where
+HELD_TERMS = ("g", "acc")  # kernel 2's held_terms with g_once: H_res^T g held, or every term in the accumulators
 JOINED_LEAVE_OUT = ("row_sums", "outputs", "second_barrier")  # the joined epilogue's, in any combination
 
 
@@ -469,7 +469,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                ctas_per_sm: int = 1, swizzle_epilogue: bool = True, stage_dx: bool | None = None,
                                dy_once: bool | None = None, consumer_groups: int | None = None,
                                joined: bool = False, leave_out: tuple = (), joined_leave_out: tuple = (),
-                               g_once: bool | None = None, held_terms: str = "g"):
+                               g_once: bool | None = None, held_terms: str | None = None):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (if add_dx) dx_post [T, n, C], another gradient of the lanes (the linked site's: the post's), added to
@@ -578,14 +578,15 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     320 of the 920-950 instructions a warpgroup issues per tile are bf16 unpacking; SASS, kernel notes). On the
     H200 at 16384 x 4096: 0.512 against 0.551 ms alone, 0.592 against 0.686 behind GEMMs at the power cap (run
     BO; 0.353 / 0.417 against 0.385 / 0.480 at C = 2560).
-    held_terms (with g_once): what each warpgroup holds per lane before its products arrive. "g": H_res^T g;
-    "all": every term of dx but the products (H_pre[j] dy + 2 ds x_j + H_res^T g, dy converted once for the
-    warpgroup's lanes), so that after each wait for a lane's products its epilogue adds one value to them. The
-    same instructions, moved to where the tensor cores run (run BS: the consumers waited on the products in 9%
-    of their samples); the same sums in another order. "acc": the same terms written into each lane's
-    accumulator before its products are issued, which then add onto them (wgmma's scale-d 1): no add after the
-    wait and no held fragments, at the price of forming them before the tile's first products rather than beside
-    them. Built, not yet run on a GPU.
+    held_terms (with g_once; None: "acc" wherever g_once is on): what each warpgroup forms per lane beside its
+    products. "g": H_res^T g, held in registers and added after each wait. "acc": every term of dx but the
+    products (H_pre[j] dy + 2 ds x_j + H_res^T g, dy converted once for the warpgroup's lanes) written into each
+    lane's accumulator before its products are issued, which then add onto them (wgmma's scale-d 1): after each
+    wait the epilogue only converts and stores (run BS: the consumers waited on the products in 9% of their
+    samples, with the dy and x terms still to form after each wait). On the H200 at 16384 x 4096: 0.490 against
+    0.503 ms alone, 0.550 against 0.584 behind GEMMs (0.331 / 0.371 against 0.351 / 0.421 at C = 2560; run BV).
+    A third way, "all" (the same terms held in registers, added after each wait), took 0.582 / 0.399 behind GEMMs
+    and was dropped.
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "dphi" the dphi GEMM, "dx_gemm" also the dx GEMMs, "dmix_loads" also the dmix operands' loads;
@@ -715,6 +716,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                          f"lane_group = {LG}, n = {n}")
     if g_once is None:
         g_once = post_grad and overlap_dx
+    if held_terms is None:
+        held_terms = "acc" if g_once else "g"
     if held_terms not in HELD_TERMS or (held_terms != "g" and not g_once):
         raise ValueError(f"pre backward (lanes): held_terms is one of {', '.join(HELD_TERMS)}, and other than 'g' "
                          f"it needs g_once; got held_terms = {held_terms!r}, g_once = {g_once}")
@@ -764,7 +767,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     @T.macro
     def dx_epilogue(acc, j, x_j, dys, coef_s, dp_j, gs, res_s, dxf, dx_s, dx_tile, gh_j=None):
         for tt, c in T.Parallel(BT, BC):
-            if into_acc or (gh_j is not None and held_terms == "all"):  # every other term held (or in acc)
+            if into_acc:  # every other term is in the accumulator
                 v = acc[tt, c]
             else:
                 v = (acc[tt, c] + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
@@ -792,14 +795,13 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     @T.macro
     def hold_g(g_held, lanes_g, lg, gs, res_s, xs, dy_src, coef_s):
         # g_once: the tile's n lanes of g read once, H_res^T g formed for each of this warpgroup's lanes (with
-        # held_terms "all" or "acc", on top of H_pre[j] dy + 2 ds x_j, dy read once; "acc" passes the
-        # accumulators as g_held)
+        # held_terms "acc", on top of H_pre[j] dy + 2 ds x_j, dy read once, into the accumulators given as g_held)
         for tt, c in T.Parallel(BT, BC):
             # bound to names, so each lane of g is read once (a list's items were repeated at every use)
             g0, g1, g2, g3, g4, g5, g6, g7 = [T.cast(gs[i][tt, c], "float32") if i < n else T.float32(0)
                                               for i in range(8)]
             gv = [g0, g1, g2, g3, g4, g5, g6, g7][:n]
-            if held_terms != "g":
+            if into_acc:
                 dyv = T.cast(dy_src[tt, c], "float32")
                 for k, jj in enumerate(lanes_g):
                     j = lg * LG + jj
