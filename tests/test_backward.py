@@ -480,7 +480,9 @@ def test_lane_kernel_gives_two_consumer_warpgroups_their_own_lanes_for_sm90(n, a
     warpgroups, 384 threads. In the token loop the consumers branch on the thread index, and each branch issues
     the tensor-core products of its own half of the CTA's lanes only, into its own accumulators: per lane the dx
     products hi and lo, the first starting from zero (scale-d 0, no clearing of registers in the branch, which
-    made ptxas serialise every wgmma), and the dphi product; each waits for its own lanes' dx stores."""
+    made ptxas serialise every wgmma), and the dphi product; each waits for its own lanes' dx stores. With the
+    post's g (held_terms "acc", the default there) every product adds onto what its accumulator holds (scale-d
+    1): the other terms of dx are written into it first."""
     import re
 
     from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
@@ -499,7 +501,10 @@ def test_lane_kernel_gives_two_consumer_warpgroups_their_own_lanes_for_sm90(n, a
     accumulators = []
     for branch in ("\n".join(lines[start:middle]), "\n".join(lines[middle:end])):
         assert branch.count("wgmma_ss<") == 3 * half
-        assert len(re.findall(r"\(\(0 < ki_?\d*\) \? 1 : 0\)", branch)) == half  # each lane's first dx product
+        first_from_zero = len(re.findall(r"\(\(0 < ki_?\d*\) \? 1 : 0\)", branch))  # each lane's first dx product
+        assert first_from_zero == (0 if post_grad else half)
+        if post_grad:
+            assert len(re.findall(r"wgmma_ss<[^;]*\)\), 1\);", branch)) == 3 * half
         assert branch.count(f"tma_store_wait<{half - 1}, true>") == half
         accumulators.append(set(re.findall(r"\(\(uint32_t\*\)\((\w+) \+ ", branch)))
     assert len(accumulators[0]) == len(accumulators[1]) == 2 * half and not accumulators[0] & accumulators[1]
