@@ -460,19 +460,6 @@ def test_lane_kernel_overlapped_waits_for_each_lane_and_releases_its_operands_la
     assert len(released) == (operands if groups == 1 else 1), released
 
 
-def _tma_swizzles(host_source: str) -> dict:
-    """Each TMA descriptor's swizzle mode (0 none, 1 32 bytes, 2 64, 3 128) in a compiled kernel's host code: the
-    third argument from the end of the call that encodes it."""
-    import re
-
-    found = {}
-    for name, body, count in re.findall(r"void\* (\w+)_desc = stack_\d+;(.*?)tensormap_create_tiled_packed, "
-                                        r"\(TVMFFIAny\*\) stack_ffi_any, (\d+)", host_source, flags=re.S):
-        values = dict(re.findall(r"stack_ffi_any\)\[(\d+)\]\.v_int64\) = \(\(int64_t\)(\w+)\)", body))
-        found[name] = int(values[str(int(count) - 3)])
-    return found
-
-
 @pytest.mark.parametrize("n,add_dx,post_grad", [(4, True, False), (4, False, False), (8, True, False),
                                                (2, False, False), (4, False, True)])
 def test_lane_kernel_gives_two_consumer_warpgroups_their_own_lanes_for_sm90(n, add_dx, post_grad):
@@ -523,6 +510,7 @@ def test_lane_kernel_stores_dx_by_tma_and_reads_swizzled_tiles_for_sm90(n, add_d
 
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_backward import lane_tiling, pre_backward_lanes_program
+    from mhc_lab.kernels.source import tma_swizzles
 
     def build(C=4096, **options):
         return compile_program(pre_backward_lanes_program(n, C, "bfloat16", "sm_90", add_dx=add_dx, **options),
@@ -535,10 +523,10 @@ def test_lane_kernel_stores_dx_by_tma_and_reads_swizzled_tiles_for_sm90(n, add_d
     assert re.findall(r"tma_store_wait<(\d+), true>", source) == [str(lanes // groups - 1)] * lanes + ["0"] * groups
     assert source.rindex("tma_store_wait<0") > source.rindex("tma_store(dx_desc")
     assert not re.search(r"\(dx \+ ", source)  # no store of dx from registers
-    swizzles = _tma_swizzles(kernel.get_host_source())
+    swizzles = tma_swizzles(kernel.get_host_source())
     epilogue_tiles = ["dy", "dx_post"] if add_dx else ["dy"]
     assert swizzles["x"] != 0 and all(swizzles[t] == swizzles["x"] for t in epilogue_tiles), swizzles
-    plain = _tma_swizzles(build(swizzle_epilogue=False).get_host_source())
+    plain = tma_swizzles(build(swizzle_epilogue=False).get_host_source())
     assert all(plain[t] == 0 for t in epilogue_tiles), plain
     for source in (build(stage_dx=False).get_kernel_source(), build(C=100).get_kernel_source()):
         assert "tma_store" not in source and re.search(r"\(dx \+ ", source)
@@ -1584,15 +1572,20 @@ def test_block_rounds_take_each_kinds_overhead_per_round(monkeypatch):
     assert out["peak_gib"] == {"residual": 1.0, "mhc_ours_chained": 1.0}
 
 
-def test_post_project_wait_sets_the_fused_kernels_waits_within_its_block():
-    """post_project_wait: the fused post + projection's gemm_wait within the block, the default after it, and a
-    clear error for a value the kernel does not take."""
+def test_post_project_tuning_sets_the_fused_kernels_options_within_its_block():
+    """post_project_tuning: the fused post + projection's CUDA options within the block, its defaults after it,
+    and clear errors for a key or a value the kernel does not take."""
     from mhc_lab.ops import training as tr
 
-    assert tr.POST_PROJECT_WAIT == "once"
-    with tr.post_project_wait("each"):
-        assert tr.POST_PROJECT_WAIT == "each"
-    assert tr.POST_PROJECT_WAIT == "once"
-    with pytest.raises(InputError, match="post_project_wait: expected one of each, once, got 'later'"):
-        with tr.post_project_wait("later"):
+    assert tr.POST_PROJECT_TUNING == {}
+    with tr.post_project_tuning(gemm_wait="each", out_store="tma"):
+        assert tr.POST_PROJECT_TUNING == {"gemm_wait": "each", "out_store": "tma"}
+    assert tr.POST_PROJECT_TUNING == {}
+    with pytest.raises(InputError, match="post_project_tuning: gemm_wait expected one of each, once, got 'later'"):
+        with tr.post_project_tuning(gemm_wait="later"):
             pass
+    with pytest.raises(InputError, match="out_store expected one of registers, tma, got 'smem'"):
+        tr.check_post_project_tuning({"out_store": "smem"})
+    with pytest.raises(InputError, match="expected keys among gemm_wait, out_store, got block_k"):
+        tr.check_post_project_tuning({"block_k": 32})
+    assert tr.POST_PROJECT_TUNING == {}

@@ -785,8 +785,7 @@ def hot_kernel_calls(tokens: int, C: int, n: int = N) -> dict:
     post = torch.rand(tokens, n, generator=gen, **f32) * 2
     # the column splits a chained post projects into, as post_forward_linked's
     splits = _training_ops.partial_splits("kernels", x, chained=True)
-    project = post_project_kernel(n, C, "bfloat16", "cuda", splits=splits,
-                                  gemm_wait=_training_ops.POST_PROJECT_WAIT)
+    project = post_project_kernel(n, C, "bfloat16", "cuda", splits=splits, **_training_ops.POST_PROJECT_TUNING)
     out, partial = torch.empty_like(x), torch.empty((splits, tokens, m + 1), **f32)
     return {"kernel 2 (42C path)": lambda: lanes(x, dy, dsplit, coef, phi, g, res, dx, dphi_partial),
             "post + projection": lambda: project(x, f, post, res, phi_hl, out, partial)}
@@ -952,10 +951,10 @@ def main(argv=None) -> int:
     parser.add_argument("--coefficient-phases", default=None, choices=("fused", "split", "spread"),
                         help="the pre backward's kernel 1 for the parts site, block and host (mhc_lab.ops.training."
                         "coefficient_phases; recorded as coefficient_phases)")
-    parser.add_argument("--post-project-wait", default=None, choices=("each", "once"), help="the fused post + "
-                        "projection's waits for its products on CUDA for the parts site, block, block_kernels, "
-                        "behind_gemms and host (mhc_lab.ops.training.post_project_wait; recorded as "
-                        "post_project_wait when given)")
+    parser.add_argument("--post-project-tuning", default="", help="JSON {tuning} of the fused post + projection "
+                        "on CUDA (gemm_wait, out_store) for the parts site, block, block_kernels, behind_gemms, host "
+                        "and profile_kernels (mhc_lab.ops.training.post_project_tuning; recorded as "
+                        "post_project_tuning)")
     parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "
                         "many interleaved rounds (recorded as rounds_ms, with each kind's overhead over the plain "
                         "residual per round and its median, overhead_pct_rounds)")
@@ -968,15 +967,17 @@ def main(argv=None) -> int:
 
     from mhc_lab.ops.training import (
         COEFFICIENT_PHASES,
-        POST_PROJECT_WAIT,
         check_lane_tuning,
+        check_post_project_tuning,
         coefficient_phases,
         lane_tuning,
         post_gradient_to_pre,
-        post_project_wait,
+        post_project_tuning,
     )
 
     tuning = check_lane_tuning(hashable_tuning(json.loads(args.lane_tuning)) if args.lane_tuning else {})
+    project_tuning = check_post_project_tuning(json.loads(args.post_project_tuning) if args.post_project_tuning
+                                               else {})
     if not torch.cuda.is_available():
         print("bench training needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/training_h200.json")
         return 1
@@ -994,19 +995,18 @@ def main(argv=None) -> int:
     phases = args.coefficient_phases or COEFFICIENT_PHASES
     if args.coefficient_phases:
         results["coefficient_phases"] = phases
-    wait = args.post_project_wait or POST_PROJECT_WAIT
-    if args.post_project_wait:
-        results["post_project_wait"] = wait
+    if project_tuning:
+        results["post_project_tuning"] = project_tuning
     print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else "")
           + ({True: "; the post's output gradient to the pre", False: "; the post's dx to the pre", None: ""}[
               post_grad])
           + (f"; kernel 1 {phases}" if args.coefficient_phases else "")
-          + (f"; the post + projection waits {wait}" if args.post_project_wait else ""))
+          + (f"; the post + projection tuned {project_tuning}" if project_tuning else ""))
 
     @contextlib.contextmanager
     def configured():  # the options that every part but the sweep runs under
         with lane_tuning(**tuning), post_gradient_to_pre(post_grad), coefficient_phases(phases), \
-                post_project_wait(wait):
+                post_project_tuning(**project_tuning):
             yield
 
     def save(final=False):

@@ -7,6 +7,7 @@ what a learner reads to see what the tile program became (vector loads, the redu
     print(kernel_text(src))                       # the kernel alone, without the headers
     global_accesses(src)                          # {"read": ["w", "x"], "written": ["y"]}
     lines_matching(src, r"uint4")                 # [(line number, line), ...]
+    tma_swizzles(compiled.get_host_source())      # {"x": 3, "dy": 0, ...}: each TMA descriptor's swizzle
 """
 
 
@@ -85,3 +86,18 @@ def excerpt(source: str, pattern: str, limit: int = 3, width: int = 110) -> str:
     if len(found) > limit:
         shown.append(f"       ({len(found) - limit} more)")
     return "\n".join(shown) if shown else "  (no line matches)"
+
+
+TMA_SWIZZLE_BYTES = {0: 0, 1: 32, 2: 64, 3: 128}  # a TMA descriptor's swizzle code -> the bytes it swizzles over
+WGMMA_SWIZZLE_BYTES = {0: 0, 1: 128, 2: 64, 3: 32}  # a wgmma descriptor's layout type -> the same
+
+
+def tma_swizzles(host_source: str) -> dict[str, int]:
+    """Each TMA descriptor's swizzle code (TMA_SWIZZLE_BYTES) in a compiled CUDA kernel's host code, by the
+    tensor's name: the third argument from the end of the call that encodes the descriptor."""
+    found = {}
+    for name, body, count in re.findall(r"void\* (\w+)_desc = stack_\d+;(.*?)tensormap_create_tiled_packed, "
+                                        r"\(TVMFFIAny\*\) stack_ffi_any, (\d+)", host_source, flags=re.S):
+        values = dict(re.findall(r"stack_ffi_any\)\[(\d+)\]\.v_int64\) = \(\(int64_t\)(\w+)\)", body))
+        found[name] = int(values[str(int(count) - 3)])
+    return found

@@ -493,7 +493,7 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
             with torch.cuda.device(x.device):
                 phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
                 phi_split_kernel(n, C, "cuda")(phi32, phi_hl)
-                post_project_kernel(n, C, "bfloat16", "cuda", splits=splits, gemm_wait=POST_PROJECT_WAIT)(
+                post_project_kernel(n, C, "bfloat16", "cuda", splits=splits, **POST_PROJECT_TUNING)(
                     x.contiguous(), f.contiguous(), post32, res32, phi_hl, out, partial)
         return out, partial
     partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
@@ -610,20 +610,32 @@ def join_sites_backward(enabled: bool):
     return _module_setting("JOIN_SITES_BACKWARD", bool(enabled))
 
 
-# when the fused post + projection on CUDA waits for its products (kernels/post_project.py, gemm_wait): after
-# each lane's ("each"), or once per column block ("once"; faster under the GPU's power cap, where that kernel's
-# time follows the SM clock: 0.419 against 0.438 ms behind GEMMs at 16384 x 4096, run BO)
-POST_PROJECT_WAIT = "once"
+# the fused post + projection's CUDA tunings (keywords of kernels/post_project.py's program; empty: its defaults:
+# gemm_wait "once", faster under the GPU's power cap, where that kernel's time follows the SM clock: 0.419 against
+# 0.438 ms behind GEMMs at 16384 x 4096, run BO; out_store "registers")
+POST_PROJECT_TUNABLE = ("gemm_wait", "out_store")
+POST_PROJECT_TUNING: dict = {}
 
 
-def post_project_wait(wait: str):
-    """Within this block, the fused post + projection on CUDA waits for its products as ``wait`` says (one of
-    kernels.post_project.GEMM_WAITS)."""
-    from mhc_lab.kernels.post_project import GEMM_WAITS
+def check_post_project_tuning(tuning: dict) -> dict:
+    """The tuning itself, if its keys are among POST_PROJECT_TUNABLE and each value one the kernel takes (gemm_wait:
+    kernels.post_project.GEMM_WAITS; out_store: OUT_STORES); else a clear error."""
+    from mhc_lab.kernels.post_project import GEMM_WAITS, OUT_STORES
 
-    if wait not in GEMM_WAITS:
-        raise InputError(f"post_project_wait: expected one of {', '.join(GEMM_WAITS)}, got {wait!r}")
-    return _module_setting("POST_PROJECT_WAIT", wait)
+    unknown = sorted(set(tuning) - set(POST_PROJECT_TUNABLE))
+    if unknown:
+        raise InputError(f"post_project_tuning: expected keys among {', '.join(POST_PROJECT_TUNABLE)}, got "
+                         f"{', '.join(unknown)}")
+    for key, allowed in (("gemm_wait", GEMM_WAITS), ("out_store", OUT_STORES)):
+        if key in tuning and tuning[key] not in allowed:
+            raise InputError(f"post_project_tuning: {key} expected one of {', '.join(allowed)}, got {tuning[key]!r}")
+    return tuning
+
+
+def post_project_tuning(**tuning):
+    """Within this block, the fused post + projection on CUDA takes these tunings (check_post_project_tuning)
+    instead of its defaults."""
+    return _module_setting("POST_PROJECT_TUNING", dict(check_post_project_tuning(tuning)))
 
 
 LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo", "overlap_dx",
