@@ -1475,7 +1475,8 @@ def test_warm_runs_each_selected_test_in_a_process_of_its_own():
     lines = selected_test_commands("cuda_post_project")
     ids = [line[-1] for line in lines]
     assert len(ids) == len(set(ids)) >= 6
-    assert all(i.startswith("tests/test_kernels_forward.py::test_cuda_post_project_matches_float64[") for i in ids)
+    assert all(i.startswith("tests/test_kernels_forward.py::test_cuda_post_project_") for i in ids)
+    assert any(i.startswith("tests/test_kernels_forward.py::test_cuda_post_project_matches_float64[") for i in ids)
     assert all(line[:2] == ["-m", "pytest"] and "addopts=" in line for line in lines)
 
 
