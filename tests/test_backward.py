@@ -1244,6 +1244,15 @@ def test_lane_tuning_sets_kernel_2s_tuning_for_a_block_only():
         with training.lane_tuning(colour=1, add_dx=True):
             pass
     assert training.LANE_TUNING == {}
+    # lane_splits: the grid's token splits, taken instead of the wave rule's and kept out of the program's keywords
+    # (the wave rule needs a GPU's SM count; the override answers without one)
+    with training.lane_tuning(lane_splits=8, g_once=True):
+        assert training._lane_splits(4, 2560, torch.device("cpu"), False, True) == 8
+        assert training.lane_program_tuning() == {"g_once": True}
+    for wrong in (0, 2.5, True, "8"):
+        with pytest.raises(InputError, match=f"lane_splits expected a positive integer .*, got {wrong!r}"):
+            training.check_lane_tuning({"lane_splits": wrong})
+    assert training.LANE_TUNING == {}
 
 
 def _lane_operands(tokens, n, C, seed):

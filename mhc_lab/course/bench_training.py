@@ -293,8 +293,8 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
     result) and in each of ``coefficient_variants`` ({"block_tokens", "block_c", "threads", "stages",
     "warp_specialized"} for the fused kernel, or {"phases": "fused", "split" or "spread", "spread":
     {"threads"}}; the two kernels of "split" and "spread" are also timed each alone), kernel 2 for each tuning
-    variant (keys of training.LANE_TUNABLE, "lane_splits", "add_dx", "post_grad", "leave_out"); every variant's
-    outputs are compared with the first's of the same add_dx and post_grad without leave_out (a timing
+    variant (keys of training.LANE_TUNABLE, "lane_splits" among them, and "add_dx", "post_grad", "leave_out");
+    every variant's outputs are compared with the first's of the same add_dx and post_grad without leave_out (a timing
     experiment's differ by design). A variant without "lane_splits" runs the token splits a site runs
     (lane_splits_for on this GPU, for the variant's lanes, columns and CTAs per SM), recorded in its row as
     "token_splits". A variant with "joined": true times the joined kernel (kernel 2 with dx_post joined with the
@@ -776,7 +776,7 @@ def hot_kernel_calls(tokens: int, C: int, n: int = N) -> dict:
     res = torch.rand(tokens, n, n, generator=gen, **f32)
     lane_splits = _training_ops._lane_splits(n, C, x.device, False, True)
     _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", lane_splits=lane_splits, post_grad=True,
-                                    **_training_ops.LANE_TUNING)
+                                    **_training_ops.lane_program_tuning())
     dy, g = rand(tokens, C, kind=bf16), rand(tokens, n, C, kind=bf16)
     dsplit, coef = rand(tokens, 3, 2 * gemm_depth(n), kind=bf16), rand(tokens, coef_width(n))
     dx, dphi_partial = torch.empty_like(x), torch.empty(dphi_partial_shape(lane_splits, n, C), **f32)

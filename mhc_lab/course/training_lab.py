@@ -684,7 +684,7 @@ def kernel2_steps_table(recording: dict | None = None, run: str = "U", lane_grou
         rule = (lane_splits_for(n, shape["C"], sms, add_dx=bool(row.get("add_dx")), lane_group=lane_group,
                                 consumer_groups=1)  # one consumer warpgroup before run AV
                 if sms else None)
-        tuned = set(row) & {"lane_splits", *LANE_TUNABLE}
+        tuned = set(row) & set(LANE_TUNABLE)
         return row.get("token_splits", 1) == rule and not tuned
 
     def timed(shape, add_dx, left):

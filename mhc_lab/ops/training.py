@@ -50,8 +50,9 @@ KERNEL_MAX_LANES = 8
 COEFFICIENT_PHASES = "spread"
 COEFFICIENT_PHASE_CHOICES = ("fused", "split", "spread")
 # kernel 2 of the pre backward on CUDA: tunings of pre_backward_lanes_program that replace its defaults (none:
-# the defaults); lane_tuning(...) sets them for a block of code, so that a benchmark can time whole sites and
-# blocks with a variant before it becomes the default
+# the defaults), and "lane_splits", its grid's token splits instead of lane_splits_for's; lane_tuning(...) sets
+# them for a block of code, so that a benchmark can time whole sites and blocks with a variant before it becomes
+# the default
 LANE_TUNING: dict = {}
 
 
@@ -125,6 +126,8 @@ def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool, post_grad: 
     from mhc_lab.kernels.pre_backward import consumer_groups_asked, lane_splits_for
 
     tiling = LANE_TUNING if tiling is None else tiling
+    if "lane_splits" in tiling:
+        return tiling["lane_splits"]
     groups = consumer_groups_asked(tiling.get("consumer_groups"), tiling.get("threads", 128),
                                    tiling.get("overlap_dx"), tuple(tiling.get("leave_out", ())))
     return lane_splits_for(n, C, torch.cuda.get_device_properties(device).multi_processor_count, add_dx=add_dx,
@@ -272,7 +275,8 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
         splits = _lane_splits(n, C, x.device, add_dx or joined, post_grad)
         coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                                    lane_splits=splits, add_dx=add_dx or joined, post_grad=post_grad,
-                                                   joined=joined, phases=_coefficient_phases_for(n), **LANE_TUNING)
+                                                   joined=joined, phases=_coefficient_phases_for(n),
+                                                   **lane_program_tuning())
         dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
         coef = torch.empty((tokens, coef_width(n)), **f32)
         xc, dyc = x.contiguous(), dy.contiguous()
@@ -639,15 +643,26 @@ def post_project_tuning(**tuning):
 
 
 LANE_TUNABLE = ("block_tokens", "block_c", "lane_group", "stages", "dx_products", "threads", "trim_lo", "overlap_dx",
-                "ctas_per_sm", "swizzle_epilogue", "stage_dx", "dy_once", "consumer_groups", "g_once", "held_terms")
+                "ctas_per_sm", "swizzle_epilogue", "stage_dx", "dy_once", "consumer_groups", "g_once", "held_terms",
+                "lane_splits")
 
 
 def check_lane_tuning(tuning: dict) -> dict:
-    """The tuning itself, if its keys are among LANE_TUNABLE; else a clear error."""
+    """The tuning itself, if its keys are among LANE_TUNABLE (lane_splits a positive integer); else a clear
+    error."""
     unknown = sorted(set(tuning) - set(LANE_TUNABLE))
     if unknown:
         raise InputError(f"lane_tuning: expected keys among {', '.join(LANE_TUNABLE)}, got {', '.join(unknown)}")
+    splits = tuning.get("lane_splits", 1)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise InputError(f"lane_tuning: lane_splits expected a positive integer (kernel 2's token splits), got "
+                         f"{splits!r}")
     return tuning
+
+
+def lane_program_tuning() -> dict:
+    """LANE_TUNING's keywords of pre_backward_lanes_program (all but lane_splits, which sets the grid)."""
+    return {k: v for k, v in LANE_TUNING.items() if k != "lane_splits"}
 
 
 def lane_tuning(**tuning):
