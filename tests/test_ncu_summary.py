@@ -101,3 +101,16 @@ def test_summary_command_writes_what_it_prints(tmp_path, capsys):
     assert printed == json.loads((tmp_path / "out.json").read_text())
     assert printed["k"]["issue_slots_busy_pct"] == 46.08
     assert printed["k"]["consumer_loop_instructions_per_warp"] == {ARITH: 1}
+
+
+def test_summary_command_prints_a_table_of_its_kernels(tmp_path, capsys):
+    _details(tmp_path / "d.csv", [["0", "k", "GPU Speed Of Light Throughput", "Duration", "us", "557.4"]])
+    _sass(tmp_path / "s.csv", {"k": [("FFMA R1, R2, R3, R4", 8, {}), ("LDS R1, [R2]", 8, {})]})
+    from mhc_lab.bench import main
+
+    assert main(["ncu-summary", str(tmp_path / "d.csv"), str(tmp_path / "s.csv"), "--table"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "Nsight Compute" and lines[1].split() == ["k"] and lines[2].split() == ["run", "d"]
+    assert next(x for x in lines if x.startswith("time")).split()[-1] == "557"
+    assert next(x for x in lines if x.startswith("instructions per warp")).split()[-1] == "2"
+    assert next(x for x in lines if x.strip().startswith("shared loads")).split()[-1] == "1"

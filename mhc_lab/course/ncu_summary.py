@@ -4,7 +4,7 @@
         -o hot python -m mhc_lab.bench training --parts profile_kernels --shapes 16384x4096 --no-save
     ncu -i hot.ncu-rep --page details --csv > details.csv
     ncu -i hot.ncu-rep --page source --csv --print-source sass > sass.csv
-    python -m mhc_lab.bench ncu-summary details.csv sass.csv [--json out.json]
+    python -m mhc_lab.bench ncu-summary details.csv sass.csv [--json out.json] [--table]
 
 Per kernel: time, clocks, throughputs, issue and warps from the details page; from the SASS page, the
 consumer loop (the SASS lines executed the most common number of times: once per tile by every consumer
@@ -160,13 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("details", type=Path, help="ncu -i REPORT --page details --csv > this file")
     parser.add_argument("sass", type=Path, help="ncu -i REPORT --page source --csv --print-source sass > this file")
     parser.add_argument("--json", type=Path, help="also write the summary here")
+    parser.add_argument("--table", action="store_true", help="print a table (a column per kernel) instead of JSON")
     args = parser.parse_args(argv)
     for path in (args.details, args.sass):
         if not path.is_file():
             parser.error(f"expected an exported CSV file, got {path} (not a file)")
     summary = summarize(args.details, args.sass)
     text = json.dumps(summary, indent=1)
-    print(text)
+    if args.table:  # lab 07's table of the recorded profiles, for this one
+        from mhc_lab.course.training_lab import hot_kernels_table
+
+        print(hot_kernels_table({"profile": {"run": args.details.stem, "kernels": summary}}, keys=("profile",)))
+    else:
+        print(text)
     if args.json:
         args.json.write_text(text + "\n")
     return 0

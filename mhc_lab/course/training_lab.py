@@ -976,11 +976,12 @@ def hot_kernels_table(results: dict | None, keys: tuple = HOT_KERNEL_PROFILES) -
             ("  of them eligible", "eligible_warps_per_scheduler", "{:.2f}"),
             ("instructions per warp and tile", "consumer_loop_instructions_per_warp_total", "{:.0f}")]
     width = 16
-    lines = [f"{profiles[-1].get('tokens')} x {profiles[-1].get('C')}, Nsight Compute"]
+    shape = (profiles[-1].get("tokens"), profiles[-1].get("C"))
+    lines = [f"{shape[0]} x {shape[1]}, Nsight Compute" if all(shape) else "Nsight Compute"]
     lines += [textwrap.fill(f"run {p.get('run', '?')}: {p['note']}", 110, subsequent_indent="  ")
               for p in profiles if p.get("note")]
     lines.append(f"{'':<34}" + "".join(f"{n.split(' (')[0][:width - 2]:>{width}}" for _, n in columns))
-    lines.append(f"{'':<34}" + "".join(f"{'run ' + str(p.get('run', '?')):>{width}}" for p, _ in columns))
+    lines.append(f"{'':<34}" + "".join(f"{('run ' + str(p.get('run', '?')))[:width - 1]:>{width}}" for p, _ in columns))
     for label, key, fmt in rows:
         values = [p["kernels"][n].get(key) for p, n in columns]
         lines.append(f"{label:<34}" + "".join(
