@@ -372,8 +372,7 @@ def sweep_pre_backward(tokens, C, bench, variants, log=print, coefficient_varian
             continue
         try:
             add_dx, post_grad = bool(cfg.get("add_dx", False)), bool(cfg.get("post_grad", False))
-            splits = row["token_splits"] = (cfg.get("lane_splits")
-                                            or _training_ops._lane_splits(n, C, x.device, add_dx, post_grad, cfg))
+            splits = row["token_splits"] = _training_ops._lane_splits(n, C, x.device, add_dx, post_grad, cfg)
             _, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
                                             **{**hashable_tuning(cfg), "lane_splits": splits})
             dx = torch.empty_like(x)

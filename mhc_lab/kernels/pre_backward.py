@@ -721,7 +721,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     if held_terms not in HELD_TERMS or (held_terms != "g" and not g_once):
         raise ValueError(f"pre backward (lanes): held_terms is one of {', '.join(HELD_TERMS)}, and other than 'g' "
                          f"it needs g_once; got held_terms = {held_terms!r}, g_once = {g_once}")
-    into_acc = g_once and held_terms == "acc"  # every term but the products written into the accumulators
+    into_acc = held_terms == "acc"  # every term but the products written into the accumulators (g_once, above)
     if g_once and not (post_grad and overlap_dx):
         raise ValueError(f"pre backward (lanes): g_once holds H_res^T g of the post's output gradient g for the "
                          f"overlapped lanes, so it needs post_grad and overlap_dx; got post_grad = {post_grad}, "

@@ -126,7 +126,7 @@ def _lane_splits(n: int, C: int, device: torch.device, add_dx: bool, post_grad: 
     from mhc_lab.kernels.pre_backward import consumer_groups_asked, lane_splits_for
 
     tiling = LANE_TUNING if tiling is None else tiling
-    if "lane_splits" in tiling:
+    if tiling.get("lane_splits"):  # given: taken as it is
         return tiling["lane_splits"]
     groups = consumer_groups_asked(tiling.get("consumer_groups"), tiling.get("threads", 128),
                                    tiling.get("overlap_dx"), tuple(tiling.get("leave_out", ())))
@@ -667,7 +667,7 @@ def lane_program_tuning() -> dict:
 
 def lane_tuning(**tuning):
     """Within this block, kernel 2 of the pre backward on CUDA takes these tunings (keys of LANE_TUNABLE, values
-    as pre_backward_lanes_program takes them) instead of its defaults."""
+    as pre_backward_lanes_program takes them, and lane_splits, its grid's token splits) instead of its defaults."""
     return _module_setting("LANE_TUNING", dict(check_lane_tuning(tuning)))
 
 
