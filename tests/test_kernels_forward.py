@@ -256,47 +256,11 @@ def test_post_project_waits_once_for_its_products_with_gemm_wait_once(n, C):
     assert loop_tail.index(".arrive()") < loop_tail.index("}")  # the releases right after the wait, in the loop
 
 
-def test_post_project_refuses_an_output_store_it_does_not_have():
-    from mhc_lab.kernels.post_project import post_project_program
-
-    with pytest.raises(ValueError, match="out_store must be one of registers, tma, .* got out_store = 'smem'"):
-        post_project_program(4, 64, "bfloat16", "sm_90", out_store="smem")
-    with pytest.raises(ValueError, match="which leave_out \"out_tile\" drops; got out_store = 'tma', leave_out = "
-                                         "\\('gemm', 'phi', 'out_tile'\\)"):
-        post_project_program(4, 64, "bfloat16", "sm_90", out_store="tma", leave_out=("gemm", "phi", "out_tile"))
-
-
-@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
-@pytest.mark.parametrize("n,C", [(4, 4096), (2, 200), (8, 40)])
-def test_post_project_stores_its_output_tiles_by_tma_with_out_store_tma(n, C):
-    """out_store "tma": the n output tiles the products read leave by one TMA store each per column block, none
-    from the registers; before the mix writes the tiles again the last block's stores are waited for, and once
-    more after the loop. The store's descriptor swizzles as the products' operand descriptor says the tiles are
-    laid out (a mismatch would scramble every row)."""
-    from mhc_lab.kernels.post_project import post_project_kernel
-    from mhc_lab.kernels.source import TMA_SWIZZLE_BYTES, WGMMA_SWIZZLE_BYTES, tma_swizzles
-
-    kernel = post_project_kernel(n, C, "bfloat16", "sm_90", out_store="tma")
-    src = kernel.get_kernel_source()
-    assert src.count("tma_store(out_desc") == n and "(out + " not in src
-    waits = [m.start() for m in re.finditer(r"tma_store_wait<0, true>", src)]
-    # the first before the consumers' barrier ahead of the mix (and so before the block's products), the second
-    # after the last stores
-    assert len(waits) == 2 and src.index("__sync_thread_partial", waits[0]) < src.index("wgmma_ss<", waits[0])
-    assert waits[0] < src.index("wgmma_ss<") and waits[1] > src.rindex("tma_store(out_desc")
-    # the products' B operand is an output tile: its descriptor's layout, against the store's swizzle
-    layouts = {int(v) for v in re.findall(r"initialize_wgmma_descriptor<(\d+), \d+, \d+>\(desc_b", src)}
-    assert len(layouts) == 1
-    assert TMA_SWIZZLE_BYTES[tma_swizzles(kernel.get_host_source())["out"]] == WGMMA_SWIZZLE_BYTES[layouts.pop()]
-
-
 @needs_cuda
 @pytest.mark.parametrize("n,C,tokens,tuning", [
     (4, 4096, 257, {}), (4, 40, 7, {}), (4, 200, 33, {}), (2, 72, 1, {}), (8, 40, 65, {}), (1, 72, 7, {}),
     (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2}), (4, 4096, 257, {"gemm_wait": "each"}),
-    (2, 72, 33, {"gemm_wait": "each"}), (4, 4096, 257, {"out_store": "tma"}), (4, 200, 33, {"out_store": "tma"}),
-    (8, 40, 65, {"out_store": "tma"}), (1, 72, 7, {"out_store": "tma", "splits": 1}),
-    (2, 72, 1, {"out_store": "tma"})])
+    (2, 72, 33, {"gemm_wait": "each"})])
 def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
@@ -318,30 +282,6 @@ def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
                                        torch.eye(n, device="cuda").expand(tokens, n, n), phi, torch.float64)
     scale = of_stored.abs().amax(-1, keepdim=True)
     _assert_close("partial", got / scale, of_stored / scale, "cuda", "coefficients")
-
-
-@needs_cuda
-@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 257), (4, 200, 33), (8, 40, 65), (2, 72, 1)])
-def test_cuda_post_project_tma_stores_give_the_register_stores_bits(n, C, tokens):
-    """out_store "tma" changes how the output lanes leave, not what is computed: the same lanes and partial
-    sums bit for bit as the register stores, outputs poisoned first (a tile clipped wrong at the last token or
-    column would leave NaN or write past it)."""
-    from mhc_lab.kernels.post_project import post_project_kernel
-    from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
-
-    x, phi, _, _, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=C + 1)
-    g = torch.Generator().manual_seed(tokens + 1)
-    post, res = (torch.rand(tokens, n, generator=g) * 2).cuda(), torch.rand(tokens, n, n, generator=g).cuda()
-    phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device="cuda")
-    phi_split_kernel(n, C, "cuda")(phi, phi_hl)
-    outs = []
-    for store in ("registers", "tma"):
-        out = torch.full((tokens + 3, n, C), float("nan"), dtype=x.dtype, device="cuda")  # rows past T: untouched
-        partial = torch.full((4, tokens, n * n + 2 * n + 1), float("nan"), device="cuda")
-        post_project_kernel(n, C, "bfloat16", "cuda", out_store=store)(x, f, post, res, phi_hl, out[:tokens], partial)
-        assert out[tokens:].isnan().all(), store
-        outs.append((out[:tokens], partial))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")

@@ -45,8 +45,6 @@ from mhc_lab.kernels.pre_split import phi_rows, phi_tile_rows
 LEAVE_OUT_STEPS = ("gemm", "phi", "out_tile", "mix")
 # when the CUDA program waits for the projection's products: after each lane's, or once after all n lanes'
 GEMM_WAITS = ("each", "once")
-# how the CUDA program stores the output lanes: from the registers, or from the output tiles by TMA
-OUT_STORES = ("registers", "tma")
 
 
 def _check(n: int, C: int, dtype: str, target: str) -> str:
@@ -79,7 +77,7 @@ def shared_bytes(n: int, block_m: int, block_k: int, stages: int, phi_loaded: bo
 def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
                          block_m: int | None = None, block_k: int | None = None, stages: int | None = None,
                          threads: int | None = None, block_tokens: int = 4, leave_out: tuple = (),
-                         gemm_wait: str = "once", out_store: str = "registers"):
+                         gemm_wait: str = "once"):
     """The tile program of post + next projection for n lanes of width C. CUDA tiles left None come from
     cuda_tuning(n).
 
@@ -116,11 +114,10 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
     the H200 behind GEMMs 0.419 against 0.438 ms at 16384 x 4096 and 0.275 against 0.285 at 16384 x 2560; alone
     at the full clock 0.364 against 0.355 and 0.233 against 0.229 (run BO).
 
-    out_store (CUDA): "registers" stores each output element from the registers that mixed it (16 predicated
-    8-byte stores per thread and column block at n = 4); "tma" stores the n output tiles, already in shared
-    memory for the products, by one TMA store each (rows past T and columns past C clipped by the copy engine),
-    waited for only before the next column block writes the tiles again (as kernel 2 of the pre backward stores
-    dx). Built, not yet run on a GPU.
+    The output lanes leave from the registers that mixed them. Stored instead by one TMA store per lane from the
+    output tiles the products read (the wait deferred to the next column block) the kernel took the same time
+    alone, 0.357 against 0.358 ms at 16384 x 4096, and more behind GEMMs: 0.431 against 0.401 ms, 0.279 against
+    0.259 at 16384 x 2560 (H200, 2026-12-01, run BY, kernel notes).
 
     leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
     costs: "gemm" the projection's tensor-core products, "phi" also phi's loads, "out_tile" also the output
@@ -130,10 +127,6 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
     if gemm_wait not in GEMM_WAITS:
         raise ValueError(f"post + projection kernel: gemm_wait must be one of {', '.join(GEMM_WAITS)}, "
                          f"got {gemm_wait!r}")
-    if out_store not in OUT_STORES or (out_store == "tma" and "out_tile" in leave_out):
-        raise ValueError(f"post + projection kernel: out_store must be one of {', '.join(OUT_STORES)}, and \"tma\" "
-                         f"stores the output tiles, which leave_out \"out_tile\" drops; got out_store = "
-                         f"{out_store!r}, leave_out = {tuple(leave_out)}")
     M = mixes_width(n)
     K = n * C
     NT = T.dynamic("T")
@@ -222,8 +215,6 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                         # rows NP..NA of the tile are never written; the product rows they give are never read
                         T.copy(phi_hl[0:NP, j * C + c0 : j * C + c0 + BK], ps[j][0:NP, 0:BK])
                 T.copy(f[t0 : t0 + BM, c0 : c0 + BK], fs)
-                if out_store == "tma" and T.shuffle_elect(threads):  # the last block's stores have read the tiles
-                    T.tma_store_wait(0)
                 for tt, c in T.Parallel(BM, BK):
                     # each lane's value bound to a name (a let), so the mix reads it once; as list items the
                     # expressions were repeated for every output lane, and nvcc could not reuse the loads
@@ -240,28 +231,22 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                                        dtype)
                         # past the last column o is 0 (x and f arrive zero-filled), so phi columns that belong to
                         # the next lane, read there, add nothing
-                        # the tile goes to shared memory for the GEMM, and (out_store "registers") leaves from
-                        # the registers: stored from shared memory in bulk with each lane's store finished before
-                        # the next it was slower (0.517 against 0.464 ms at 16384 x 4096 on the H200,
-                        # 2026-11-30); out_store "tma" stores the tiles with the wait deferred to the next block
+                        # the tile goes to shared memory for the GEMM, and leaves from the registers: stored
+                        # from shared memory in bulk, each lane's store had to finish before the next (0.517
+                        # against 0.464 ms at 16384 x 4096 on the H200, 2026-11-30)
                         if "out_tile" not in left:
                             os[i][tt, c] = o
-                        if out_store == "registers" and (t0 + tt < NT) & (c0 + c < C):
+                        if (t0 + tt < NT) & (c0 + c < C):
                             out[t0 + tt, i, c0 + c] = o
                         v = T.cast(o, "float32")
                         sq_acc[tt, c] += v * v
                 if "gemm" not in left:
                     for i in lanes:  # "once": issued without T.gemm's own wait
                         T.gemm(ps[i], os[i], acc, transpose_B=True, annotations=wait_annotations)
-                if out_store == "tma":  # the tiles the products read go out while they run
-                    for i in lanes:
-                        T.tma_copy(os[i], out[t0 : t0 + BM, i, c0 : c0 + BK])
-                if "gemm" not in left and gemm_wait == "once":
-                    T.wait_wgmma(0)
-                    # the staged phi tiles' last use: after the wait, so the stage is released only then
-                    keep[0] = sum([T.cast(ps[i][0, 0], "float32") for i in lanes], T.float32(0))
-            if out_store == "tma" and T.shuffle_elect(threads):  # the last stores have read their tiles
-                T.tma_store_wait(0)
+                    if gemm_wait == "once":
+                        T.wait_wgmma(0)
+                        # the staged phi tiles' last use: after the wait, so the stage is released only then
+                        keep[0] = sum([T.cast(ps[i][0, 0], "float32") for i in lanes], T.float32(0))
             T.reduce_sum(sq_acc, sq, dim=1)
             T.copy(acc, out_s)
             for tt, q in T.Parallel(BM, M):

@@ -88,13 +88,9 @@ def excerpt(source: str, pattern: str, limit: int = 3, width: int = 110) -> str:
     return "\n".join(shown) if shown else "  (no line matches)"
 
 
-TMA_SWIZZLE_BYTES = {0: 0, 1: 32, 2: 64, 3: 128}  # a TMA descriptor's swizzle code -> the bytes it swizzles over
-WGMMA_SWIZZLE_BYTES = {0: 0, 1: 128, 2: 64, 3: 32}  # a wgmma descriptor's layout type -> the same
-
-
 def tma_swizzles(host_source: str) -> dict[str, int]:
-    """Each TMA descriptor's swizzle code (TMA_SWIZZLE_BYTES) in a compiled CUDA kernel's host code, by the
-    tensor's name: the third argument from the end of the call that encodes the descriptor."""
+    """Each TMA descriptor's swizzle code (0: none; 1, 2, 3: over 32, 64, 128 bytes) in a compiled CUDA kernel's
+    host code, by the tensor's name: the third argument from the end of the call that encodes the descriptor."""
     found = {}
     for name, body, count in re.findall(r"void\* (\w+)_desc = stack_\d+;(.*?)tensormap_create_tiled_packed, "
                                         r"\(TVMFFIAny\*\) stack_ffi_any, (\d+)", host_source, flags=re.S):

@@ -616,21 +616,21 @@ def join_sites_backward(enabled: bool):
 
 # the fused post + projection's CUDA tunings (keywords of kernels/post_project.py's program; empty: its defaults:
 # gemm_wait "once", faster under the GPU's power cap, where that kernel's time follows the SM clock: 0.419 against
-# 0.438 ms behind GEMMs at 16384 x 4096, run BO; out_store "registers")
-POST_PROJECT_TUNABLE = ("gemm_wait", "out_store")
+# 0.438 ms behind GEMMs at 16384 x 4096, run BO)
+POST_PROJECT_TUNABLE = ("gemm_wait",)
 POST_PROJECT_TUNING: dict = {}
 
 
 def check_post_project_tuning(tuning: dict) -> dict:
     """The tuning itself, if its keys are among POST_PROJECT_TUNABLE and each value one the kernel takes (gemm_wait:
-    kernels.post_project.GEMM_WAITS; out_store: OUT_STORES); else a clear error."""
-    from mhc_lab.kernels.post_project import GEMM_WAITS, OUT_STORES
+    kernels.post_project.GEMM_WAITS); else a clear error."""
+    from mhc_lab.kernels.post_project import GEMM_WAITS
 
     unknown = sorted(set(tuning) - set(POST_PROJECT_TUNABLE))
     if unknown:
         raise InputError(f"post_project_tuning: expected keys among {', '.join(POST_PROJECT_TUNABLE)}, got "
                          f"{', '.join(unknown)}")
-    for key, allowed in (("gemm_wait", GEMM_WAITS), ("out_store", OUT_STORES)):
+    for key, allowed in (("gemm_wait", GEMM_WAITS),):
         if key in tuning and tuning[key] not in allowed:
             raise InputError(f"post_project_tuning: {key} expected one of {', '.join(allowed)}, got {tuning[key]!r}")
     return tuning
