@@ -1424,7 +1424,7 @@ def test_host_benchmark_calls_every_op_it_names():
     assert len(counted) == len(costs) and all(v == 500.0 for v in costs.values())  # microseconds
 
 
-@pytest.mark.parametrize("connection", ["residual", "mhc_ours", "mhc_reference"])
+@pytest.mark.parametrize("connection", ["residual", "copy_floor", "mhc_ours", "mhc_reference"])
 def test_benchmark_block_runs_forward_and_backward(connection):
     """The block benchmark's model, tiny and on the CPU (the kernels through the C target): each connection
     kind runs forward and backward, and mHC ours (chained sites) gives the reference's output."""
@@ -1432,7 +1432,7 @@ def test_benchmark_block_runs_forward_and_backward(connection):
 
     torch.manual_seed(0)
     block = _Block(32, 2, connection)
-    shape = (2, 5, 32) if connection == "residual" else (2, 5, N, 32)
+    shape = (2, 5, 32) if connection in ("residual", "copy_floor") else (2, 5, N, 32)
     h = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
     out = block(h)
     out.float().square().sum().backward()
@@ -1554,6 +1554,54 @@ def test_training_benchmark_refuses_fewer_than_one_round(capsys, flag):
     assert f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
+def test_copy_floor_moves_the_chained_sites_extra_bytes_and_leaves_the_block_as_the_residual():
+    """The block benchmark's copy floor: its plan counts 76C per token for two chained sites at n = 4 (the 88C
+    of the kernel notes less the residual's 12C), derived from bytes_model at other n too; its block gives the
+    plain residual's output and input gradient bit for bit, and each pass copies the plan's elements."""
+    from mhc_lab.course import bench_training as bt
+
+    plan = bt.copy_floor_plan(4)
+    assert plan[0]["pre"] == {"forward": [4, 5], "backward": [5, 13]}
+    assert plan[1]["pre"] == {"forward": [5], "backward": [5, 13]}
+    assert all(p["post"] == {"forward": [6], "backward": [7]} for p in plan)
+    moved = [sum(sum(ks) for place in site.values() for ks in place.values()) for site in bt.copy_floor_plan(4)]
+    assert sum(moved) == 76
+    # per site: pre apply n + 1, post + projection 2n + 1, post backward 2n + 2 (g, x, f read; df written),
+    # dpre_reduce n + 1, kernel 2 3n + 1, less the residual's 3 + 3: 9n; and the first site's projection, n
+    for n in (1, 2, 8):
+        assert sum(sum(ks) for site in bt.copy_floor_plan(n) for place in site.values()
+                   for ks in place.values()) == 19 * n
+
+    torch.manual_seed(0)
+    residual = bt._Block(32, 2, "residual")
+    floor = bt._Block(32, 2, "copy_floor")
+    floor.load_state_dict(residual.state_dict())
+    copied = []
+    original = torch.Tensor.copy_
+
+    def counting_copy(dst, src, *args, **kwargs):
+        copied.append(src.numel())
+        return original(dst, src, *args, **kwargs)
+
+    h = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    g = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    grads = []
+    for block, count in ((residual, False), (floor, True)):
+        x = h.clone().requires_grad_(True)
+        if count:
+            torch.Tensor.copy_ = counting_copy
+        try:
+            out = block(x)
+            out.backward(g)
+        finally:
+            torch.Tensor.copy_ = original
+        grads.append((out, x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    tokens_c = h.numel()
+    assert sorted(copied) == sorted(k * tokens_c // 2 for site in plan for place in site.values()
+                                    for ks in place.values() for k in ks)
+
+
 def test_block_rounds_take_each_kinds_overhead_per_round(monkeypatch):
     """The block benchmark's interleaved rounds (stand-in steps and timer): every kind timed once, then once per
     round in turn; the overhead over the plain residual taken per round, its median, least and most."""
@@ -1588,14 +1636,14 @@ def test_post_project_tuning_sets_the_fused_kernels_options_within_its_block():
     from mhc_lab.ops import training as tr
 
     assert tr.POST_PROJECT_TUNING == {}
-    with tr.post_project_tuning(gemm_wait="each", out_store="tma"):
-        assert tr.POST_PROJECT_TUNING == {"gemm_wait": "each", "out_store": "tma"}
+    with tr.post_project_tuning(gemm_wait="each"):
+        assert tr.POST_PROJECT_TUNING == {"gemm_wait": "each"}
     assert tr.POST_PROJECT_TUNING == {}
     with pytest.raises(InputError, match="post_project_tuning: gemm_wait expected one of each, once, got 'later'"):
         with tr.post_project_tuning(gemm_wait="later"):
             pass
-    with pytest.raises(InputError, match="out_store expected one of registers, tma, got 'smem'"):
-        tr.check_post_project_tuning({"out_store": "smem"})
-    with pytest.raises(InputError, match="expected keys among gemm_wait, out_store, got block_k"):
+    with pytest.raises(InputError, match="expected keys among gemm_wait, got out_store"):
+        tr.check_post_project_tuning({"out_store": "tma"})
+    with pytest.raises(InputError, match="expected keys among gemm_wait, got block_k"):
         tr.check_post_project_tuning({"block_k": 32})
     assert tr.POST_PROJECT_TUNING == {}

@@ -18,7 +18,10 @@ TileKernels per round, its median, least and most: a ratio near a target reads b
 Block (pre-norm causal attention + 4C GELU MLP, bf16, 4 sequences x 4096 tokens): forward + backward of one
 block with a plain residual and with mHC around each of its two sub-layers (ours as linked sites, ours as
 chained sites where the first post projects for the second pre, ours with the mHC ops recomputed in
-backward, TileKernels, torch.compile of the reference), with peak memory above the inputs. --block-rounds K
+backward, TileKernels, torch.compile of the reference), with peak memory above the inputs, and the copy floor:
+the plain residual block plus device-to-device copies of the bytes our chained sites move beyond it, where they
+move them (copy_floor_plan; 76C per token at n = 4), what the block would cost if every mHC kernel streamed at
+the copy's pace and the small ones took no time. --block-rounds K
 times the blocks again in K interleaved rounds and records each kind's overhead per round and its median.
 Block kernels (part "block_kernels"): the plain and the chained block profiled kernel by kernel, and the chained
 block's connections with identities for layers, to say where the block's extra time goes. Behind GEMMs (part
@@ -471,6 +474,65 @@ def _time_joined(cfg, previous, x, dy, dsplit, coef, phi, dx_post, bench, log) -
 # block
 
 
+def copy_floor_plan(n: int = N, sites: int = 2) -> list[dict]:
+    """Per site of a chained block, the lane-wide elements per token (units of C, read + written) that its mHC
+    kernels move beyond the plain residual's, as bytes_model counts our chained kernels: at the pre (forward:
+    the first site's projection, the pre apply; backward: kernel 1's dpre_reduce and kernel 2) and at the post
+    (forward: post + next projection, backward: the post backward with the post's gradient handed to the pre),
+    the residual's add (forward) and gradient add (backward) taken off the post's. At n = 4: 76C for two sites."""
+    from mhc_lab.course.training_lab import residual_elements
+
+    forward = [r.moved.per_C for r in bytes_model.rows("ours_chained", n, "forward")]  # pre apply, post + proj
+    post_bwd, dpre, lanes = (r.moved.per_C for r in bytes_model.rows("ours_chained", n, "backward"))
+    post_bwd -= bytes_model.post_gradient_saving(n)
+    projection = bytes_model.rows("ours", n, "forward")[0].moved.per_C
+    add_fwd, add_bwd = (r + w for r, w in residual_elements().values())
+    return [{"pre": {"forward": ([projection] if i == 0 else []) + [forward[0]], "backward": [dpre, lanes]},
+             "post": {"forward": [forward[1] - add_fwd], "backward": [post_bwd - add_bwd]}} for i in range(sites)]
+
+
+class _MovesBytes(torch.autograd.Function):
+    """h unchanged, forward and backward; each pass runs its device-to-device copies (dst.copy_(src) pairs)."""
+
+    @staticmethod
+    def forward(ctx, h, forward_copies, backward_copies):
+        for dst, src in forward_copies:
+            dst.copy_(src)
+        ctx.backward_copies = backward_copies
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for dst, src in ctx.backward_copies:
+            dst.copy_(src)
+        return grad, None, None
+
+
+class _CopyFloor:
+    """The copies that move copy_floor_plan's elements for a plain h of some tokens and width C: a copy of k C / 2
+    elements per token moves k C (read + written). One source and one destination buffer, as large as the
+    largest copy, made for the first h and again when h's size or device changes."""
+
+    def __init__(self, plan: list[dict]):
+        self.plan, self.buffers = plan, None
+        self.largest = max(k for site in plan for place in site.values() for ks in place.values() for k in ks)
+
+    def copies(self, h: torch.Tensor, counts: list[int]) -> list:
+        per_k = h.numel()  # tokens x C
+        if per_k % 2:
+            raise ValueError(f"copy floor: tokens x C must be even to halve into read + written, got {per_k}")
+        if self.buffers is None or self.buffers[0].numel() != self.largest * per_k // 2 \
+                or self.buffers[0].device != h.device:
+            self.buffers = tuple(torch.empty(self.largest * per_k // 2, dtype=h.dtype, device=h.device)
+                                 for _ in range(2))
+        src, dst = self.buffers
+        return [(dst[: k * per_k // 2], src[: k * per_k // 2]) for k in counts]
+
+    def __call__(self, h: torch.Tensor, site: int, place: str) -> torch.Tensor:
+        moves = self.plan[site][place]
+        return _MovesBytes.apply(h, self.copies(h, moves["forward"]), self.copies(h, moves["backward"]))
+
+
 class _Block(nn.Module):
     """Pre-norm causal attention + 4C GELU MLP, joined by a plain residual or by an mHC connection each."""
 
@@ -481,6 +543,8 @@ class _Block(nn.Module):
         self.connection = connection
         self.layers = nn.ModuleList([PreNorm(width, CausalSelfAttention(width, heads)), PreNorm(width, MLP(width))])
         self.layers.to(torch.bfloat16)
+        if connection == "copy_floor":
+            self._copy_floor = _CopyFloor(copy_floor_plan(N, len(self.layers)))
         if connection.startswith("mhc"):
             from mhc_lab.ops.training import MHCConnection
 
@@ -504,6 +568,11 @@ class _Block(nn.Module):
             for layer in self.layers:
                 h = h + layer(h)
             return h
+        if self.connection == "copy_floor":
+            for i, layer in enumerate(self.layers):
+                h = self._copy_floor(h, i, "pre")
+                h = self._copy_floor(h + layer(h), i, "post")
+            return h
         if self.connection == "mhc_tilekernels":
             tk_pre, tk_post = self._tk
             for site, layer in zip(self.sites, self.layers):
@@ -520,8 +589,8 @@ class _Block(nn.Module):
         return h
 
 
-BLOCK_KINDS = ("residual", "mhc_ours", "mhc_ours_chained", "mhc_ours_joined", "mhc_ours_recompute", "mhc_tilekernels",
-               "mhc_compiled")
+BLOCK_KINDS = ("residual", "copy_floor", "mhc_ours", "mhc_ours_chained", "mhc_ours_joined", "mhc_ours_recompute",
+               "mhc_tilekernels", "mhc_compiled")
 
 
 def _block_step(width: int, kind: str, batch: int, seq: int, layers: bool = True):
@@ -538,7 +607,7 @@ def _block_step(width: int, kind: str, batch: int, seq: int, layers: bool = True
     block = _Block(width, width // 128, connection).cuda()
     if not layers:
         block.layers = nn.ModuleList(nn.Identity() for _ in block.layers)
-    shape = (batch, seq, width) if kind == "residual" else (batch, seq, N, width)
+    shape = (batch, seq, width) if kind in ("residual", "copy_floor") else (batch, seq, N, width)
     h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     if kind == "mhc_ours_recompute":
@@ -951,7 +1020,7 @@ def main(argv=None) -> int:
                         help="the pre backward's kernel 1 for the parts site, block and host (mhc_lab.ops.training."
                         "coefficient_phases; recorded as coefficient_phases)")
     parser.add_argument("--post-project-tuning", default="", help="JSON {tuning} of the fused post + projection "
-                        "on CUDA (gemm_wait, out_store) for the parts site, block, block_kernels, behind_gemms, host "
+                        "on CUDA (gemm_wait) for the parts site, block, block_kernels, behind_gemms, host "
                         "and profile_kernels (mhc_lab.ops.training.post_project_tuning; recorded as "
                         "post_project_tuning)")
     parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "

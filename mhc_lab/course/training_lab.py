@@ -611,7 +611,8 @@ def load_recorded(name: str = RECORDING) -> dict | None:
 SITE_IMPLEMENTATIONS = {"ours": "ours (TileLang)", "ours_linked": "ours, linked", "ours_chained": "ours, chained",
                         "tilekernels": "TileKernels",
                         "compiled": "torch.compile", "eager": "eager"}
-BLOCK_IMPLEMENTATIONS = {"residual": "plain residual", "mhc_ours": "mHC, ours",
+BLOCK_IMPLEMENTATIONS = {"residual": "plain residual", "copy_floor": "copy floor (mHC's bytes)",
+                         "mhc_ours": "mHC, ours",
                          "mhc_ours_chained": "mHC, ours, chained", "mhc_ours_joined": "mHC, ours, joined",
                          "mhc_ours_recompute": "mHC, ours + recompute", "mhc_tilekernels": "mHC, TileKernels",
                          "mhc_compiled": "mHC, torch.compile"}
