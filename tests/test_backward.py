@@ -1554,6 +1554,17 @@ def test_training_benchmark_refuses_fewer_than_one_round(capsys, flag):
     assert f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kinds", ["residual", "mhc_ours_chained,chained"])
+def test_training_benchmark_refuses_a_block_kind_it_does_not_have(capsys, kinds):
+    from mhc_lab.course.bench_training import main
+
+    with pytest.raises(SystemExit):
+        main(["--parts", "block_kernels", "--block-kernels-kinds", kinds])
+    err = capsys.readouterr().err
+    assert "--block-kernels-kinds: expected kinds among copy_floor, mhc_ours," in err
+    assert err.rstrip().endswith(f"got {kinds.split(',')[-1]}")
+
+
 def test_copy_floor_moves_the_chained_sites_extra_bytes_and_leaves_the_block_as_the_residual():
     """The block benchmark's copy floor: its plan counts 76C per token for two chained sites at n = 4 (the 88C
     of the kernel notes less the residual's 12C), derived from bytes_model at other n too; its block gives the

@@ -1023,6 +1023,9 @@ def main(argv=None) -> int:
                         "on CUDA (gemm_wait) for the parts site, block, block_kernels, behind_gemms, host "
                         "and profile_kernels (mhc_lab.ops.training.post_project_tuning; recorded as "
                         "post_project_tuning)")
+    parser.add_argument("--block-kernels-kinds", default="mhc_ours_chained", help="part 'block_kernels': the block "
+                        "kinds (BLOCK_KINDS) each profiled beside the plain residual, comma-separated; copy_floor "
+                        "shows its copies' time in the block")
     parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "
                         "many interleaved rounds (recorded as rounds_ms, with each kind's overhead over the plain "
                         "residual per round and its median, overhead_pct_rounds)")
@@ -1030,6 +1033,10 @@ def main(argv=None) -> int:
     for flag in ("graph_rounds", "block_rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
+    unknown = [k for k in args.block_kernels_kinds.split(",") if k not in BLOCK_KINDS or k == "residual"]
+    if unknown:
+        parser.error(f"--block-kernels-kinds: expected kinds among {', '.join(BLOCK_KINDS[1:])}, got "
+                     f"{', '.join(unknown)}")
     import contextlib
     import json
 
@@ -1120,9 +1127,10 @@ def main(argv=None) -> int:
     if "block_kernels" in parts:
         results["block_kernels"] = []
         for w in args.widths.split(","):
-            with configured():
-                results["block_kernels"].append(bench_block_kernels(int(w), bench))
-            save()
+            for kind in args.block_kernels_kinds.split(","):
+                with configured():
+                    results["block_kernels"].append(bench_block_kernels(int(w), bench, kind=kind))
+                save()
     if "block" in parts:
         for w in args.widths.split(","):
             with configured():
