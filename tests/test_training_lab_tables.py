@@ -290,6 +290,42 @@ def test_block_breakdown_table_sets_the_blocks_and_the_connections_alone_side_by
     assert kernel_label("void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float>>") == "torch reduce_kernel"
 
 
+def test_floor_kernels_table_puts_each_own_kernel_against_its_bytes_at_the_copies_pace():
+    """The copy floor's copies give the pace in the block; each of the chained block's own kernels (those the plain
+    block does not launch) is set against its lane-wide bytes at that pace, the small ones against none."""
+    from mhc_lab.course import bytes_model
+    from mhc_lab.course.training_lab import CHAINED_KERNEL_ELEMENTS, COPY_KERNEL, floor_kernels_table
+
+    C, tokens = 100, 1000
+    bytes_76c = 76 * C * 2 * tokens
+    pace = 4e12  # bytes per second: the copies take bytes_76c / pace
+    copies_ms = bytes_76c / pace * 1e3
+    k2_ms = 2 * 13 * C * 2 * tokens / pace * 1e3 + 0.5  # 0.5 ms beyond its bytes
+    floor = {"C": C, "tokens": tokens, "kind": "copy_floor",
+             "kernels": {"residual": {"gemm": {"ms": 9.0, "launches": 1}},
+                         "copy_floor": {"gemm": {"ms": 9.0, "launches": 1},
+                                        COPY_KERNEL: {"ms": copies_ms, "launches": 11}}}}
+    chained = {"C": C, "tokens": tokens, "kind": "mhc_ours_chained",
+               "kernels": {"residual": {"gemm": {"ms": 9.0, "launches": 1}},
+                           "mhc_ours_chained": {"gemm": {"ms": 9.1, "launches": 1},
+                                                "lanes_backward_cuda_post_grad_kernel": {"ms": k2_ms, "launches": 2},
+                                                "token_coefficients_kernel": {"ms": 0.25, "launches": 2}}}}
+    lines = floor_kernels_table({"block_kernels": {"X": [floor, chained]}}, run="X").splitlines()
+    assert lines[0].endswith("for 76C per token (4.00 TB/s in the block)")
+    k2 = lines[2].split()
+    assert k2[0] == "lanes_backward_cuda_post_grad" and k2[2:] == ["2", "13C", f"{k2_ms - 0.5:.3f}", "0.500"]
+    assert lines[3].split()[-3:] == ["-", "0.000", "0.250"]
+    assert lines[4].split()[-1] == "0.750"
+    assert floor_kernels_table({"block_kernels": {"X": [chained]}}, run="X") == \
+        "(no copy floor breakdown recorded for run X)"
+    # the per-launch counts are bytes_model's: kernel 2 (pre backward 2 with the post's gradient handed over)
+    # reads 2n + 1 and writes n; the post backward loses the n C of dx it no longer writes
+    backward = {r.operation.split(" (")[0]: r.moved.per_C for r in bytes_model.rows("ours_chained", 4, "backward")}
+    assert CHAINED_KERNEL_ELEMENTS["lanes_backward_cuda_post_grad_kernel"] == backward["pre backward 2: dx, dphi"]
+    assert CHAINED_KERNEL_ELEMENTS["post_backward_without_dx_kernel"] == (
+        backward["post backward"] - bytes_model.post_gradient_saving(4))
+
+
 def test_block_rounds_table_gives_each_kinds_median_and_range():
     from mhc_lab.course.training_lab import block_rounds_table
 

@@ -943,6 +943,57 @@ def block_breakdown_table(results: dict | None, run: str = "BN", top: int = 4) -
     return "\n".join(lines) if lines else f"(no block breakdown recorded for run {run})"
 
 
+# lane-wide elements per token (units of C, read + written) that each of the chained block's own kernels moves per
+# launch at n = 4 (bytes_model's rows of our chained kernels; kernel 2 and the post backward with the post's
+# gradient handed to the pre)
+CHAINED_KERNEL_ELEMENTS = {"lanes_backward_cuda_post_grad_kernel": 13, "post_backward_without_dx_kernel": 10,
+                           "post_project_cuda_kernel": 9, "post_cuda_kernel": 9, "mix_lanes_kernel": 5,
+                           "dpre_reduce_kernel": 5, "project_kernel": 4}
+COPY_KERNEL = "Memcpy DtoD (Device -> Device)"
+
+
+def floor_kernels_table(results: dict | None, run: str = "CC") -> str:
+    """The recorded block breakdown of one run that profiled the copy floor and the chained block (block_kernels,
+    --block-kernels-kinds copy_floor,mhc_ours_chained): per width the floor's copies (their pace in the block),
+    then each of the chained block's own kernels: time per step, launches, the lane-wide elements per token it
+    moves (CHAINED_KERNEL_ELEMENTS; none for the small ones), that many bytes at the copies' pace, and the rest."""
+    entries = ((results or {}).get("block_kernels") or {}).get(run) or []
+    by_width: dict = {}
+    for e in entries:
+        by_width.setdefault(e["C"], {})[e["kind"]] = e
+    lines = []
+    for C, kinds in by_width.items():
+        floor, chained = kinds.get("copy_floor"), kinds.get("mhc_ours_chained")
+        if not (floor and chained):
+            continue
+        tokens = chained["tokens"]
+        copies = floor["kernels"]["copy_floor"][COPY_KERNEL]["ms"]
+        moved = sum(k for site in _copy_floor_plan() for place in site.values() for ks in place.values() for k in ks)
+        pace = moved * C * 2 * tokens / (copies * 1e-3) / 1e12  # TB/s
+        lines.append(f"C = {C}, {tokens} tokens: the copy floor's copies {copies:.3f} ms for {moved}C per token "
+                     f"({pace:.2f} TB/s in the block)")
+        head = "the chained block's own kernels"
+        lines.append(f"  {head:<38}{'ms':>7}{'launches':>9}{'moves':>7}"
+                     f"{'at that pace':>13}{'beyond':>8}")
+        own = {k: v for k, v in chained["kernels"]["mhc_ours_chained"].items()
+               if k not in chained["kernels"]["residual"]}
+        total = beyond_total = 0.0
+        for name, v in sorted(own.items(), key=lambda kv: -kv[1]["ms"]):
+            per_launch = CHAINED_KERNEL_ELEMENTS.get(name, 0)
+            at_pace = per_launch * v["launches"] * C * 2 * tokens / (pace * 1e12) * 1e3
+            total, beyond_total = total + v["ms"], beyond_total + v["ms"] - at_pace
+            lines.append(f"  {kernel_label(name)[:38]:<38}{v['ms']:>7.3f}{v['launches']:>9.0f}"
+                         f"{f'{per_launch}C' if per_launch else '-':>7}{at_pace:>13.3f}{v['ms'] - at_pace:>8.3f}")
+        lines.append(f"  {'all':<38}{total:>7.3f}{'':>9}{'':>7}{total - beyond_total:>13.3f}{beyond_total:>8.3f}")
+    return "\n".join(lines) if lines else f"(no copy floor breakdown recorded for run {run})"
+
+
+def _copy_floor_plan():
+    from mhc_lab.course.bench_training import copy_floor_plan
+
+    return copy_floor_plan(4)
+
+
 def behind_gemms_table(results: dict | None, top: int = 5) -> str:
     """The recorded chained site's kernels alone and behind GEMMs (behind_gemms): per shape the ``top`` kernels
     by time alone, with their time behind the GEMMs and the ratio."""
