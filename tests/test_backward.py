@@ -1641,6 +1641,31 @@ def test_block_rounds_take_each_kinds_overhead_per_round(monkeypatch):
     assert out["peak_gib"] == {"residual": 1.0, "mhc_ours_chained": 1.0}
 
 
+def test_block_graphs_time_each_steps_replay_and_take_the_peak_launched(monkeypatch):
+    """bench_block(graphs=True) (stand-in steps, timer and capture): each kind's step runs launched for its peak
+    memory, then is captured, and the timer (rounds included) sees only the replays."""
+    from mhc_lab.course import bench_training as bt
+
+    monkeypatch.setattr(bt, "BLOCK_KINDS", ("residual", "copy_floor"))
+    launched = []
+    monkeypatch.setattr(bt, "_block_step", lambda width, kind, batch, seq: (lambda: launched.append(kind)))
+    monkeypatch.setattr(bt, "_graph_replay", lambda step: (lambda: ("replay", step)))
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2**30)
+    timed = []
+
+    def bench(fn, warmup_ms=25, rep_ms=100):
+        timed.append(fn()[0])
+        return 10e-3
+
+    out = bt.bench_block(256, bench, rounds=2, log=lambda line: None, graphs=True)
+    assert launched == ["residual", "residual", "copy_floor", "copy_floor"]
+    assert timed == ["replay"] * 6 and out["timed"] == "as CUDA graphs"
+    assert out["peak_gib"] == {"residual": 1.0, "copy_floor": 1.0}
+
+
 def test_post_project_tuning_sets_the_fused_kernels_options_within_its_block():
     """post_project_tuning: the fused post + projection's CUDA options within the block, its defaults after it,
     and clear errors for a key or a value the kernel does not take."""

@@ -638,14 +638,18 @@ def _block_step(width: int, kind: str, batch: int, seq: int, layers: bool = True
     return step
 
 
-def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: int = 1) -> dict:
+def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: int = 1, graphs: bool = False) -> dict:
     """Each of BLOCK_KINDS' training step timed, with its peak memory; with rounds > 1 the steps are then timed
     again in that many interleaved rounds (rounds_ms), each kind's overhead over the plain residual taken per
     round and its median recorded (overhead_pct_rounds), so that a drift of the GPU between kinds reaches both
-    sides of each ratio."""
+    sides of each ratio. With graphs, each step is captured once as a CUDA graph and its replay is what is timed
+    (recorded as timed "as CUDA graphs"): the GPU's time alone, without the moments it waits for the host's
+    launches, which a step launched op by op has and which added kernels can fill (run CC)."""
     heads = width // 128
     out = {"C": width, "tokens": batch * seq, "batch": batch, "seq": seq, "heads": heads, "times_ms": {},
            "peak_gib": {}, "overhead_pct": {}, "errors": {}}
+    if graphs:
+        out["timed"] = "as CUDA graphs"
     kept = {}  # the steps, for the interleaved rounds
     for kind in BLOCK_KINDS:
         if kind == "mhc_tilekernels" and "tilekernels" in skip or kind == "mhc_compiled" and "compile" in skip:
@@ -658,9 +662,12 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
             base = torch.cuda.memory_allocated()
             step()
             torch.cuda.synchronize()
-            out["peak_gib"][kind] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            out["peak_gib"][kind] = (torch.cuda.max_memory_allocated() - base) / 2**30  # launched: a graph's pool
+            if graphs:  # is allocated once, at capture
+                step = _graph_replay(step)
             out["times_ms"][kind] = bench(step, warmup_ms=100, rep_ms=500) * 1e3
-            log(f"  block C={width} {kind:20s} {out['times_ms'][kind]:8.2f} ms  peak {out['peak_gib'][kind]:.2f} GiB")
+            log(f"  block C={width} {kind:20s} {out['times_ms'][kind]:8.2f} ms  peak {out['peak_gib'][kind]:.2f} GiB"
+                + ("  (CUDA graph)" if graphs else ""))
             if rounds > 1:
                 kept[kind] = step
             del step
@@ -1026,6 +1033,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-kernels-kinds", default="mhc_ours_chained", help="part 'block_kernels': the block "
                         "kinds (BLOCK_KINDS) each profiled beside the plain residual, comma-separated; copy_floor "
                         "shows its copies' time in the block")
+    parser.add_argument("--block-graphs", action="store_true", help="part 'block': time each step captured as a "
+                        "CUDA graph (its replay: the GPU's time alone) instead of launched op by op")
     parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "
                         "many interleaved rounds (recorded as rounds_ms, with each kind's overhead over the plain "
                         "residual per round and its median, overhead_pct_rounds)")
@@ -1134,7 +1143,8 @@ def main(argv=None) -> int:
     if "block" in parts:
         for w in args.widths.split(","):
             with configured():
-                results["block"].append(bench_block(int(w), bench, skip=skip, rounds=args.block_rounds))
+                results["block"].append(bench_block(int(w), bench, skip=skip, rounds=args.block_rounds,
+                                                     graphs=args.block_graphs))
             save()
     results["wall_s"] = round(time.time() - t0, 1)
     path = save(final=True)
