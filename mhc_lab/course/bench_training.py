@@ -23,8 +23,10 @@ the plain residual block plus device-to-device copies of the bytes our chained s
 move them (copy_floor_plan; 76C per token at n = 4), what the block would cost if every mHC kernel streamed at
 the copy's pace and the small ones took no time. --block-rounds K
 times the blocks again in K interleaved rounds and records each kind's overhead per round and its median.
+--block-graphs times each block's step as a CUDA graph, the GPU's time without the host's waits.
 Block kernels (part "block_kernels"): the plain and the chained block profiled kernel by kernel, and the chained
-block's connections with identities for layers, to say where the block's extra time goes. Behind GEMMs (part
+block's connections with identities for layers, to say where the block's extra time goes (--block-kernels-kinds:
+other kinds in the chained block's place, the copy floor among them). Behind GEMMs (part
 "behind_gemms"): the chained site's kernels profiled alone and behind matmuls that bring the GPU to its power cap.
 Host (part "host", not in the default parts): what the host costs per site, at a small shape where the GPU's
 work is tiny, and lab 07's model's step against the GPU time of its kernels (bench_host). Profile (part
