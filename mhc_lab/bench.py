@@ -7,6 +7,7 @@
     python -m mhc_lab.bench all [--out DIR]
     python -m mhc_lab.bench warm [--widths ...]       compile the kernels of the runs above in parallel first
     python -m mhc_lab.bench ncu-summary DETAILS SASS  summarise Nsight Compute's CSV exports of a profile
+    python -m mhc_lab.bench sass-counts               static SASS of kernel 2 and the post + projection (no GPU)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SUITES = {
     "training": "mhc_lab.course.bench_training",
     "warm": "mhc_lab.course.bench_warm",
     "ncu-summary": "mhc_lab.course.ncu_summary",
+    "sass-counts": "mhc_lab.course.sass_counts",
 }
 MEASURING = ("memory-wall", "tilelang", "forward", "training")  # what "all" runs
 
