@@ -1554,6 +1554,14 @@ def test_training_benchmark_refuses_fewer_than_one_round(capsys, flag):
     assert f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(CUDA, reason="checks the command line by parsing it on a machine without a GPU")
+def test_training_benchmark_takes_uniform_branches_and_block_graphs():
+    """--uniform-branches and --block-graphs parse (then the benchmark stops without a GPU, status 1)."""
+    from mhc_lab.course.bench_training import main
+
+    assert main(["--parts", "site,block", "--uniform-branches", "--block-graphs"]) == 1
+
+
 @pytest.mark.parametrize("kinds", ["residual", "mhc_ours_chained,chained"])
 def test_training_benchmark_refuses_a_block_kind_it_does_not_have(capsys, kinds):
     from mhc_lab.course.bench_training import main

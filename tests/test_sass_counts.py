@@ -88,3 +88,63 @@ def test_the_post_projections_sass_has_the_wgmma_its_source_issues():
     got = sass_counts.count(sass_counts.disassemble(source))
     assert got["HGMMA"] == 2 * cuda_tuning(2)["block_k"] // 16 == 8
     assert got["R2UR"] > 0 and got["instructions"] == sum(got["classes"].values())
+
+
+GENERATED = '''#include <tl_templates/cuda/common.h>
+extern "C" __global__ void __launch_bounds__(384, 1) first_kernel(float* __restrict__ x) {
+  extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
+  if (((int)threadIdx.x) < 128) {
+    x[0] = 1.f;
+  } else {
+    if (((int)threadIdx.x) < 256) {
+      x[1] = 2.f;
+    }
+  }
+  if (((int)threadIdx.x) < 100) {
+    x[2] = 3.f;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(64, 1) second_kernel(float* __restrict__ y) {
+  if (((int)threadIdx.x) < 32) {
+    y[0] = 0.f;
+  }
+}
+'''
+
+
+def test_uniform_warp_branches_compare_a_warp_index_where_whole_warps_branch():
+    from mhc_lab.kernels._target import uniform_warp_branches
+
+    got = uniform_warp_branches(GENERATED)
+    declaration = "const int mhc_warp = __shfl_sync(0xffffffff, ((int)threadIdx.x) >> 5, 0);"
+    assert got.count(declaration) == 2  # once per kernel, first in its body
+    for kernel in ("first_kernel(float* __restrict__ x) {\n  " + declaration,
+                   "second_kernel(float* __restrict__ y) {\n  " + declaration):
+        assert kernel in got
+    assert "if (mhc_warp < 4) {" in got and "if (mhc_warp < 8) {" in got and "if (mhc_warp < 1) {" in got
+    assert "if (((int)threadIdx.x) < 100) {" in got  # not whole warps: left as it is
+    assert uniform_warp_branches("int main() { return 0; }") == "int main() { return 0; }"
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
+def test_kernel2_built_with_uniform_branches_has_them_and_the_default_build_does_not():
+    """The setting reaches compile_program's post-processing, and its builds are cached apart from the default
+    ones (the nvcc flags, TileLang's cache key, differ)."""
+    from mhc_lab.kernels._target import compile_program, cuda_flags, warp_uniform_branches
+    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+
+    def build():
+        program = pre_backward_lanes_program(4, 256, "bfloat16", "sm_90", post_grad=True, splits=2)
+        return compile_program(program, "sm_90").get_kernel_source()
+
+    default = build()
+    with warp_uniform_branches():
+        assert cuda_flags()[-1] == "-DMHC_LAB_UNIFORM_WARP_BRANCHES=1"
+        uniform = build()
+    assert "mhc_warp" not in default and "if (((int)threadIdx.x) < 128) {" in default
+    assert "if (mhc_warp < 4) {" in uniform and "if (((int)threadIdx.x) < 128) {" not in uniform
+    assert uniform.count("wgmma_ss<") == default.count("wgmma_ss<")
+    if _have_tools():  # what the rewrite is for: the descriptors stay in uniform registers
+        plain, made_uniform = (sass_counts.count(sass_counts.disassemble(s)) for s in (default, uniform))
+        assert plain["HGMMA"] == made_uniform["HGMMA"] and made_uniform["R2UR"] < plain["R2UR"] / 2

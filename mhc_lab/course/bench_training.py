@@ -1035,6 +1035,9 @@ def main(argv=None) -> int:
     parser.add_argument("--block-kernels-kinds", default="mhc_ours_chained", help="part 'block_kernels': the block "
                         "kinds (BLOCK_KINDS) each profiled beside the plain residual, comma-separated; copy_floor "
                         "shows its copies' time in the block")
+    parser.add_argument("--uniform-branches", action="store_true", help="compile every CUDA kernel with its role "
+                        "branches made warp-uniform (mhc_lab.kernels._target.uniform_warp_branches; recorded as "
+                        "uniform_warp_branches); not for the sweep part")
     parser.add_argument("--block-graphs", action="store_true", help="part 'block': time each step captured as a "
                         "CUDA graph (its replay: the GPU's time alone) instead of launched op by op")
     parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "
@@ -1060,6 +1063,7 @@ def main(argv=None) -> int:
         post_gradient_to_pre,
         post_project_tuning,
     )
+    from mhc_lab.kernels._target import warp_uniform_branches
 
     tuning = check_lane_tuning(hashable_tuning(json.loads(args.lane_tuning)) if args.lane_tuning else {})
     project_tuning = check_post_project_tuning(json.loads(args.post_project_tuning) if args.post_project_tuning
@@ -1083,16 +1087,19 @@ def main(argv=None) -> int:
         results["coefficient_phases"] = phases
     if project_tuning:
         results["post_project_tuning"] = project_tuning
+    if args.uniform_branches:
+        results["uniform_warp_branches"] = True
     print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else "")
           + ({True: "; the post's output gradient to the pre", False: "; the post's dx to the pre", None: ""}[
               post_grad])
           + (f"; kernel 1 {phases}" if args.coefficient_phases else "")
-          + (f"; the post + projection tuned {project_tuning}" if project_tuning else ""))
+          + (f"; the post + projection tuned {project_tuning}" if project_tuning else "")
+          + ("; role branches warp-uniform" if args.uniform_branches else ""))
 
     @contextlib.contextmanager
     def configured():  # the options that every part but the sweep runs under
         with lane_tuning(**tuning), post_gradient_to_pre(post_grad), coefficient_phases(phases), \
-                post_project_tuning(**project_tuning):
+                post_project_tuning(**project_tuning), warp_uniform_branches(args.uniform_branches):
             yield
 
     def save(final=False):

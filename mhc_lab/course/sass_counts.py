@@ -2,6 +2,7 @@
 
     python -m mhc_lab.bench sass-counts                      # kernel 2 and the post + projection at n = 4, C = 4096
     python -m mhc_lab.bench sass-counts --kernels lanes --json counts.json
+    python -m mhc_lab.bench sass-counts --uniform-branches   # the role branches made warp-uniform first
 
 Each kernel is built by TileLang for sm_90 (its CUDA source; needs nvcc), compiled by nvcc to a cubin for
 sm_90a and disassembled by cuobjdump (which calls nvdisasm). The two come with the CUDA toolkit, or from PyPI as
@@ -36,7 +37,8 @@ _SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 def kernel_source(name: str, n: int = N, width: int = C) -> str:
     """The CUDA source TileLang builds for sm_90 of one of KERNELS, with the defaults the chained site runs:
     "lanes", kernel 2 of the pre backward with the post's gradient; "post_project", the post + next projection
-    with one column split (as a chain runs it)."""
+    with one column split (as a chain runs it). Built by compile_program, so under its settings
+    (uniform_warp_branches)."""
     if name == "lanes":
         from mhc_lab.kernels._target import compile_program
         from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
@@ -46,9 +48,11 @@ def kernel_source(name: str, n: int = N, width: int = C) -> str:
                                              **lane_program_tuning())
         return compile_program(program, "sm_90").get_kernel_source()
     if name == "post_project":
-        from mhc_lab.kernels.post_project import post_project_kernel
+        from mhc_lab.kernels._target import compile_program
+        from mhc_lab.kernels.post_project import post_project_program
 
-        return post_project_kernel(n, width, "bfloat16", "sm_90", splits=1).get_kernel_source()
+        program = post_project_program(n, width, "bfloat16", "sm_90", splits=1)
+        return compile_program(program, "sm_90").get_kernel_source()
     raise ValueError(f"sass-counts: expected a kernel among {', '.join(KERNELS)}, got {name!r}")
 
 
@@ -130,6 +134,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench sass-counts", description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, among {', '.join(KERNELS)}")
     parser.add_argument("--json", default=None, help="also write the counts (with every opcode's) to this file")
+    parser.add_argument("--uniform-branches", action="store_true", help="build the kernels with their role "
+                        "branches made warp-uniform (mhc_lab.kernels._target.uniform_warp_branches)")
     args = parser.parse_args(argv)
     names = [k for k in args.kernels.split(",") if k]
     unknown = [k for k in names if k not in KERNELS]
@@ -140,10 +146,15 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
-    counts = {name: count(disassemble(kernel_source(name))) for name in names}
-    print(f"n = {N}, C = {C}\n" + table(counts))
+    from mhc_lab.kernels._target import warp_uniform_branches
+
+    with warp_uniform_branches(args.uniform_branches):
+        counts = {name: count(disassemble(kernel_source(name))) for name in names}
+    print(f"n = {N}, C = {C}" + (", role branches warp-uniform" if args.uniform_branches else "") + "\n"
+          + table(counts))
     if args.json:
-        Path(args.json).write_text(json.dumps({"n": N, "C": C, "counts": counts}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"n": N, "C": C, "uniform_warp_branches": args.uniform_branches,
+                                               "counts": counts}, indent=1) + "\n")
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import threading
 
@@ -136,6 +137,51 @@ BF16_PAIR_CONVERSION = r"(?:__bfloat1622float2|mhc_bf16x2_to_float2)\(\("
 CUDA_FLAGS = ["-DMHC_LAB_CUDA_POSTPROC=1"]
 
 
+# Role branches made warp-uniform (opt-in, uniform_warp_branches): TileLang's generated CUDA picks a warp's role
+# (producer, consumer warpgroup) by comparing threadIdx.x, which ptxas cannot prove equal across a warp, so the
+# code inside is compiled as divergent. It then forms each wgmma's descriptors in ordinary registers and moves them
+# to uniform ones before every HGMMA (R2UR). Comparing a warp index that every lane takes from lane 0
+# (__shfl_sync, as CUTLASS's canonical warp-group index does) decides the same branches, and ptxas keeps the
+# descriptors uniform: in kernel 2 of the pre backward (n = 4, C = 4096, sm_90a) 2192 instead of 2352 static
+# instructions and 30 R2UR instead of 142 (python -m mhc_lab.bench sass-counts --uniform-branches). On for a
+# whole process with MHC_LAB_UNIFORM_WARP_BRANCHES=1 (so that the CUDA tests can run with it: the kernel factories
+# cache what they built, whatever the setting was then).
+UNIFORM_WARP_BRANCHES = os.environ.get("MHC_LAB_UNIFORM_WARP_BRANCHES", "") == "1"
+_WARP_INDEX = "mhc_warp"
+_THREAD_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{")
+_KERNEL_BODY = re.compile(r'extern "C" __global__ void[^{]*\{\n')
+
+
+def uniform_warp_branches(code: str) -> str:
+    """Generated CUDA with each kernel's branches on ``threadIdx.x < K`` (K a multiple of 32: whole warps on each
+    side) comparing a warp index taken from lane 0 instead, declared at the kernel's start, where every thread
+    of the CTA runs; other comparisons unchanged."""
+    def warp_branch(match):
+        k = int(match.group(1))
+        return f"if ({_WARP_INDEX} < {k // 32}) {{" if k % 32 == 0 else match.group(0)
+
+    declaration = f"  const int {_WARP_INDEX} = __shfl_sync(0xffffffff, ((int)threadIdx.x) >> 5, 0);\n"
+    code = _KERNEL_BODY.sub(lambda m: m.group(0) + declaration, code)
+    return _THREAD_BRANCH.sub(warp_branch, code)
+
+
+@contextlib.contextmanager
+def warp_uniform_branches(enabled: bool = True):
+    """Within this block, CUDA kernels compiled by compile_program pass through uniform_warp_branches (or not)."""
+    global UNIFORM_WARP_BRANCHES
+    previous, UNIFORM_WARP_BRANCHES = UNIFORM_WARP_BRANCHES, bool(enabled)
+    try:
+        yield
+    finally:
+        UNIFORM_WARP_BRANCHES = previous
+
+
+def cuda_flags() -> list[str]:
+    """CUDA_FLAGS, and a macro for uniform_warp_branches when it is on, so that TileLang's kernel cache (keyed on
+    the flags) keeps the two builds of a program apart."""
+    return CUDA_FLAGS + (["-DMHC_LAB_UNIFORM_WARP_BRANCHES=1"] if UNIFORM_WARP_BRANCHES else [])
+
+
 def two_instruction_bf16_pairs(code: str) -> str:
     """Generated CUDA with every __bfloat1622float2 call replaced by mhc_bf16x2_to_float2 (defined before the
     first kernel); code without such calls unchanged."""
@@ -150,14 +196,18 @@ def two_instruction_bf16_pairs(code: str) -> str:
 @contextlib.contextmanager
 def code_generation():
     """One TileLang code generation at a time (thread-safe); within it, generated CUDA passes through
-    two_instruction_bf16_pairs, after any post-processing registered before, which is restored afterwards."""
+    two_instruction_bf16_pairs (and uniform_warp_branches where UNIFORM_WARP_BRANCHES is on), after any
+    post-processing registered before, which is restored afterwards."""
     import tvm_ffi
 
     with _lock:
         previous = tvm_ffi.get_global_func(_CUDA_POSTPROC, allow_missing=True)
 
+        uniform = UNIFORM_WARP_BRANCHES
+
         def postproc(code, target):
-            return two_instruction_bf16_pairs(previous(code, target) if previous is not None else code)
+            code = two_instruction_bf16_pairs(previous(code, target) if previous is not None else code)
+            return uniform_warp_branches(code) if uniform else code
 
         tvm_ffi.register_global_func(_CUDA_POSTPROC, f=postproc, override=True)
         try:
@@ -182,7 +232,7 @@ def compile_program(program, target: str, pass_configs: dict | None = None):
     t = canonical_target(target)
     if t != "c":
         _ensure_nvcc_on_path()
-    extra = {"compile_flags": C_TARGET_FLAGS if t == "c" else CUDA_FLAGS}
+    extra = {"compile_flags": C_TARGET_FLAGS if t == "c" else cuda_flags()}
     cache_log = logging.getLogger("tilelang.cache.kernel_cache")
     was_disabled, cache_log.disabled = cache_log.disabled, True
     try:
