@@ -493,6 +493,12 @@ def copy_floor_plan(n: int = N, sites: int = 2) -> list[dict]:
              "post": {"forward": [forward[1] - add_fwd], "backward": [post_bwd - add_bwd]}} for i in range(sites)]
 
 
+def copy_floor_counts(plan: list[dict]) -> list[int]:
+    """Every count of a copy_floor_plan (units of C per token), site by site, place by place, forward then
+    backward."""
+    return [k for site in plan for place in site.values() for ks in place.values() for k in ks]
+
+
 class _MovesBytes(torch.autograd.Function):
     """h unchanged, forward and backward; each pass runs its device-to-device copies (dst.copy_(src) pairs)."""
 
@@ -517,7 +523,7 @@ class _CopyFloor:
 
     def __init__(self, plan: list[dict]):
         self.plan, self.buffers = plan, None
-        self.largest = max(k for site in plan for place in site.values() for ks in place.values() for k in ks)
+        self.largest = max(copy_floor_counts(plan))
 
     def copies(self, h: torch.Tensor, counts: list[int]) -> list:
         per_k = h.numel()  # tokens x C

@@ -20,7 +20,6 @@ import collections
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,27 +38,28 @@ def kernel_source(name: str, n: int = N, width: int = C) -> str:
     "lanes", kernel 2 of the pre backward with the post's gradient; "post_project", the post + next projection
     with one column split (as a chain runs it). Built by compile_program, so under its settings
     (uniform_warp_branches)."""
+    from mhc_lab.kernels._target import compile_program
+
     if name == "lanes":
-        from mhc_lab.kernels._target import compile_program
         from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
         from mhc_lab.ops.training import lane_program_tuning
 
         program = pre_backward_lanes_program(n, width, "bfloat16", "sm_90", post_grad=True, splits=2,
                                              **lane_program_tuning())
-        return compile_program(program, "sm_90").get_kernel_source()
-    if name == "post_project":
-        from mhc_lab.kernels._target import compile_program
+    elif name == "post_project":
         from mhc_lab.kernels.post_project import post_project_program
 
         program = post_project_program(n, width, "bfloat16", "sm_90", splits=1)
-        return compile_program(program, "sm_90").get_kernel_source()
-    raise ValueError(f"sass-counts: expected a kernel among {', '.join(KERNELS)}, got {name!r}")
+    else:
+        raise ValueError(f"sass-counts: expected a kernel among {', '.join(KERNELS)}, got {name!r}")
+    return compile_program(program, "sm_90").get_kernel_source()
 
 
 def _tool(name: str) -> str | None:
-    """A CUDA binary tool on PATH, in /usr/local/cuda/bin, or in the nvidia-cuda-* wheels' folder."""
-    found = shutil.which(name) or (f"/usr/local/cuda/bin/{name}" if os.path.exists(f"/usr/local/cuda/bin/{name}")
-                                   else None)
+    """A CUDA binary tool where kernels._target.cuda_tool finds it, or in the nvidia-cuda-* wheels' folder."""
+    from mhc_lab.kernels._target import cuda_tool
+
+    found = cuda_tool(name)
     if found:
         return found
     try:

@@ -957,6 +957,8 @@ def floor_kernels_table(results: dict | None, run: str = "CC") -> str:
     --block-kernels-kinds copy_floor,mhc_ours_chained): per width the floor's copies (their pace in the block),
     then each of the chained block's own kernels: time per step, launches, the lane-wide elements per token it
     moves (CHAINED_KERNEL_ELEMENTS; none for the small ones), that many bytes at the copies' pace, and the rest."""
+    from mhc_lab.course.bench_training import copy_floor_counts, copy_floor_plan
+
     entries = ((results or {}).get("block_kernels") or {}).get(run) or []
     by_width: dict = {}
     for e in entries:
@@ -968,7 +970,7 @@ def floor_kernels_table(results: dict | None, run: str = "CC") -> str:
             continue
         tokens = chained["tokens"]
         copies = floor["kernels"]["copy_floor"][COPY_KERNEL]["ms"]
-        moved = sum(k for site in _copy_floor_plan() for place in site.values() for ks in place.values() for k in ks)
+        moved = sum(copy_floor_counts(copy_floor_plan(4)))
         pace = moved * C * 2 * tokens / (copies * 1e-3) / 1e12  # TB/s
         lines.append(f"C = {C}, {tokens} tokens: the copy floor's copies {copies:.3f} ms for {moved}C per token "
                      f"({pace:.2f} TB/s in the block)")
@@ -986,12 +988,6 @@ def floor_kernels_table(results: dict | None, run: str = "CC") -> str:
                          f"{f'{per_launch}C' if per_launch else '-':>7}{at_pace:>13.3f}{v['ms'] - at_pace:>8.3f}")
         lines.append(f"  {'all':<38}{total:>7.3f}{'':>9}{'':>7}{total - beyond_total:>13.3f}{beyond_total:>8.3f}")
     return "\n".join(lines) if lines else f"(no copy floor breakdown recorded for run {run})"
-
-
-def _copy_floor_plan():
-    from mhc_lab.course.bench_training import copy_floor_plan
-
-    return copy_floor_plan(4)
 
 
 def behind_gemms_table(results: dict | None, top: int = 5) -> str:

@@ -61,13 +61,18 @@ def tilelang_target(target: str):
     return {"kind": "cuda", "arch": t}
 
 
-def nvcc_path() -> str | None:
-    """nvcc on PATH or in /usr/local/cuda/bin; None if neither."""
-    found = shutil.which("nvcc")
+def cuda_tool(name: str) -> str | None:
+    """A CUDA toolkit binary (nvcc, cuobjdump, ...) on PATH or in /usr/local/cuda/bin; None if neither."""
+    found = shutil.which(name)
     if found:
         return found
-    candidate = os.path.join(_CUDA_HOME_BIN, "nvcc")
+    candidate = os.path.join(_CUDA_HOME_BIN, name)
     return candidate if os.path.exists(candidate) else None
+
+
+def nvcc_path() -> str | None:
+    """nvcc on PATH or in /usr/local/cuda/bin; None if neither."""
+    return cuda_tool("nvcc")
 
 
 def _ensure_nvcc_on_path() -> None:

@@ -630,9 +630,9 @@ def check_post_project_tuning(tuning: dict) -> dict:
     if unknown:
         raise InputError(f"post_project_tuning: expected keys among {', '.join(POST_PROJECT_TUNABLE)}, got "
                          f"{', '.join(unknown)}")
-    for key, allowed in (("gemm_wait", GEMM_WAITS),):
-        if key in tuning and tuning[key] not in allowed:
-            raise InputError(f"post_project_tuning: {key} expected one of {', '.join(allowed)}, got {tuning[key]!r}")
+    if "gemm_wait" in tuning and tuning["gemm_wait"] not in GEMM_WAITS:
+        raise InputError(f"post_project_tuning: gemm_wait expected one of {', '.join(GEMM_WAITS)}, got "
+                         f"{tuning['gemm_wait']!r}")
     return tuning
 
 
