@@ -8,6 +8,7 @@
 - The ops and modules of mhc_lab.ops.training: gradcheck, both backends, recompute, torch.compile, bad input.
 """
 
+import contextlib
 import math
 import re
 
@@ -1691,3 +1692,80 @@ def test_post_project_tuning_sets_the_fused_kernels_options_within_its_block():
     with pytest.raises(InputError, match="expected keys among gemm_wait, got block_k"):
         tr.check_post_project_tuning({"block_k": 32})
     assert tr.POST_PROJECT_TUNING == {}
+
+
+def test_hidden_pct_reads_the_pairs_time_against_the_two_in_turn():
+    from mhc_lab.course.bench_training import hidden_pct
+
+    assert hidden_pct(1.0, 0.25, 1.0) == pytest.approx(100.0)  # the pair takes the GEMM's time
+    assert hidden_pct(1.0, 0.25, 1.25) == pytest.approx(0.0)  # the two in turn
+    assert hidden_pct(1.0, 0.25, 1.1) == pytest.approx(60.0)
+    assert hidden_pct(1.0, 0.25, 1.5) == pytest.approx(-100.0)  # together slower than in turn
+
+
+def test_overlap_times_each_kernel_alone_and_beside_the_gemm_and_resets_the_carveout(monkeypatch):
+    """bench_overlap (stand-in streams, capture and timer, on the CPU): every kernel timed alone, then the GEMM
+    alone and each kernel launched beside it on the side stream, per carve-out, the carve-out reset after each
+    (also when a timing fails)."""
+    from mhc_lab.course import bench_training as bt
+
+    events = []
+
+    class Stream:
+        def wait_stream(self, other):
+            events.append("wait")
+
+    side, main = Stream(), Stream()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
+
+    @contextlib.contextmanager
+    def on(stream):
+        events.append("side" if stream is side else "main")
+        yield
+        events.append("back")
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(bt, "_graph_replay", lambda step: step)
+    carved = []
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", carved.append, raising=False)
+    ran = []
+    calls = {"k": lambda: ran.append("k")}
+    mm = torch.mm
+
+    def gemm(a, b, out):
+        ran.append("gemm")
+        return mm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", gemm)
+    ms = {("k",): 0.25, ("copy",): 0.5, ("gemm",): 1.0, ("k", "gemm"): 1.1, ("copy", "gemm"): 1.5}
+
+    def bench(fn, warmup_ms=25, rep_ms=100):
+        ran.clear()
+        fn()
+        key = tuple("copy" if r is None else r for r in ran) or ("copy",)
+        return ms[key] * 1e-3
+
+    copy_ = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src: (ran.append(None), copy_(dst, src))[1])
+    out = bt.bench_overlap(8, 16, bench, carveouts=(0, 16), calls=calls, device="cpu", log=lambda line: None)
+    assert out["alone_ms"] == pytest.approx({"k": 0.25, "copy of 8C per token": 0.5})
+    assert carved == [None, None, 16, None]
+    for k in ("0", "16"):
+        row = out["carveouts"][k]
+        assert row["gemm_ms"] == pytest.approx(1.0)
+        assert row["hidden_pct"] == pytest.approx({"k": 60.0, "copy of 8C per token": 0.0})
+    assert events[:4] == ["wait", "side", "back", "wait"]  # the side stream waits, runs the kernel, main joins
+    assert out["gemm"] == "dW [64, 16] = [64, 8] @ [8, 16], bf16"
+
+    carved.clear()
+    timings = iter(range(100))
+
+    def failing(fn, warmup_ms=25, rep_ms=100):
+        if next(timings) == 2:  # the GEMM's first timing, after the two kernels' alone
+            raise RuntimeError("timing failed")
+        return bench(fn)
+
+    with pytest.raises(RuntimeError, match="timing failed"):
+        bt.bench_overlap(8, 16, failing, carveouts=(32,), calls=calls, device="cpu", log=lambda line: None)
+    assert carved == [32, None]

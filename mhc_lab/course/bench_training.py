@@ -28,6 +28,9 @@ Block kernels (part "block_kernels"): the plain and the chained block profiled k
 block's connections with identities for layers, to say where the block's extra time goes (--block-kernels-kinds:
 other kinds in the chained block's place, the copy floor among them). Behind GEMMs (part
 "behind_gemms"): the chained site's kernels profiled alone and behind matmuls that bring the GPU to its power cap.
+Overlap (part "overlap"): kernel 2, the post + projection and a copy each launched beside one of the MLP's
+weight-gradient GEMMs on a second stream, against the two one after another: how much of a connection's time a
+second stream could hide (bench_overlap).
 Host (part "host", not in the default parts): what the host costs per site, at a small shape where the GPU's
 work is tiny, and lab 07's model's step against the GPU time of its kernels (bench_host). Profile (part
 "profile_kernels", records nothing): kernel 2 of the pre backward and the post + projection once each between
@@ -874,6 +877,70 @@ def hot_kernel_calls(tokens: int, C: int, n: int = N) -> dict:
             "post + projection": lambda: project(x, f, post, res, phi_hl, out, partial)}
 
 
+def hidden_pct(gemm_ms: float, alone_ms: float, beside_ms: float) -> float:
+    """How much of a kernel's time alone a GEMM beside it hides: 100 when the pair takes the GEMM's time, 0 when
+    it takes the two one after another (below 0 when running them together costs more than that)."""
+    return 100 * (gemm_ms + alone_ms - beside_ms) / alone_ms
+
+
+def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32), calls=None, device="cuda",
+                  log=print) -> dict:
+    """Whether mHC's streaming kernels can hide beside a layer's matmuls. A block runs its connections' kernels
+    one after another with the layers', so their bytes add to its time at the copy's pace (the copy floor). A
+    layer's weight-gradient GEMMs lie off the lanes' path, and the connection's backward could run beside them on
+    a second stream. Here one of them, the MLP's dW [4C, C] summed over ``tokens``, is timed alone and with each of
+    ``calls`` (default: kernel 2 on the 42C path and the post + projection, hot_kernel_calls) and a copy of 8C per
+    token launched beside it on a second stream, each pair captured as one CUDA graph of two branches
+    (hidden_pct). With ``carveouts`` the GEMM is also run with that many SMs left to the kernel beside it, where
+    torch can ask cuBLAS for that (torch._C._set_sm_carveout_experimental)."""
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    a, b = torch.randn(4 * C, tokens, **bf16), torch.randn(tokens, C, **bf16)
+    dw = torch.empty(4 * C, C, **bf16)
+    calls = dict(hot_kernel_calls(tokens, C) if calls is None else calls)
+    src = torch.randn(tokens, N, C, **bf16)
+    dst = torch.empty_like(src)
+    calls["copy of 8C per token"] = lambda: dst.copy_(src)
+    side = torch.cuda.Stream()
+
+    def gemm():
+        torch.mm(a, b, out=dw)
+
+    def beside(fn):
+        def step():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                fn()
+            gemm()
+            main.wait_stream(side)
+        return step
+
+    def timed(step):
+        return bench(_graph_replay(step), warmup_ms=50, rep_ms=300) * 1e3
+
+    carve = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    out = {"tokens": tokens, "C": C, "gemm": f"dW [{4 * C}, {C}] = [{4 * C}, {tokens}] @ [{tokens}, {C}], bf16",
+           "alone_ms": {name: timed(fn) for name, fn in calls.items()}, "carveouts": {}}
+    if carve is None:
+        out["carveout_note"] = "torch._C._set_sm_carveout_experimental is not in this torch: no carve-outs timed"
+    for k in carveouts if carve is not None else (0,):
+        try:
+            if carve is not None:
+                carve(k or None)
+            row = {"gemm_ms": timed(gemm), "beside_ms": {}, "hidden_pct": {}}
+            for name, fn in calls.items():
+                row["beside_ms"][name] = timed(beside(fn))
+                row["hidden_pct"][name] = hidden_pct(row["gemm_ms"], out["alone_ms"][name], row["beside_ms"][name])
+        finally:
+            if carve is not None:
+                carve(None)
+        out["carveouts"][str(k)] = row
+        log(f"  overlap {tokens}x{C}, {k} SMs left out of the GEMM: GEMM {row['gemm_ms']:.3f} ms; "
+            + "; ".join(f"{name} {out['alone_ms'][name]:.3f} alone, {row['beside_ms'][name]:.3f} with the GEMM "
+                        f"({row['hidden_pct'][name]:.0f}% hidden)" for name in calls))
+    return out
+
+
 def profile_hot_kernels(tokens: int, C: int, log=print) -> None:
     """hot_kernel_calls at tokens x C: two warm-up calls of each, then one of each between cudaProfilerStart and
     cudaProfilerStop, for a profiler that starts there (ncu --profile-from-start off)."""
@@ -1009,7 +1076,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep,host,"
                         "block_kernels (the plain and the chained block's kernels, side by side),behind_gemms "
-                        "(the chained site's kernels alone and behind GEMMs, at --shapes),profile_kernels "
+                        "(the chained site's kernels alone and behind GEMMs, at --shapes),overlap (kernel 2, the post + "
+                        "projection and a copy each beside a weight-gradient GEMM on a second stream, at --shapes),"
+                        "profile_kernels "
                         "(kernel 2 and the post + projection once each between cudaProfilerStart and Stop, at "
                         "--shapes, for ncu --profile-from-start off; nothing recorded)")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
@@ -1142,6 +1211,13 @@ def main(argv=None) -> int:
             tokens, C = (int(v) for v in sh.split("x"))
             with configured():
                 results["behind_gemms"].append(bench_behind_gemms(tokens, C))
+            save()
+    if "overlap" in parts:
+        results["overlap"] = []
+        for sh in args.shapes.split(","):
+            tokens, C = (int(v) for v in sh.split("x"))
+            with configured():
+                results["overlap"].append(bench_overlap(tokens, C, bench))
             save()
     if "profile_kernels" in parts:
         for sh in args.shapes.split(","):
