@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 from mhc_lab.kernels import nvcc_path
 from mhc_lab.reference import InputError, mhc_coefficients, mhc_post, mhc_pre
@@ -1556,11 +1557,13 @@ def test_training_benchmark_refuses_fewer_than_one_round(capsys, flag):
 
 
 @pytest.mark.skipif(CUDA, reason="checks the command line by parsing it on a machine without a GPU")
-def test_training_benchmark_takes_uniform_branches_and_block_graphs():
-    """--uniform-branches and --block-graphs parse (then the benchmark stops without a GPU, status 1)."""
+def test_training_benchmark_takes_uniform_branches_block_graphs_and_weight_grads_beside():
+    """--uniform-branches, --block-graphs and --weight-grads-beside parse, and the overlap part is taken (then the
+    benchmark stops without a GPU, status 1)."""
     from mhc_lab.course.bench_training import main
 
-    assert main(["--parts", "site,block", "--uniform-branches", "--block-graphs"]) == 1
+    assert main(["--parts", "site,block,overlap", "--uniform-branches", "--block-graphs",
+                 "--weight-grads-beside"]) == 1
 
 
 @pytest.mark.parametrize("kinds", ["residual", "mhc_ours_chained,chained"])
@@ -1750,7 +1753,7 @@ def test_overlap_times_each_kernel_alone_and_beside_the_gemm_and_resets_the_carv
     monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src: (ran.append(None), copy_(dst, src))[1])
     out = bt.bench_overlap(8, 16, bench, carveouts=(0, 16), calls=calls, device="cpu", log=lambda line: None)
     assert out["alone_ms"] == pytest.approx({"k": 0.25, "copy of 8C per token": 0.5})
-    assert carved == [None, None, 16, None]
+    assert carved == [16, None]  # none set for 0; 16 for the second, then the setting before
     for k in ("0", "16"):
         row = out["carveouts"][k]
         assert row["gemm_ms"] == pytest.approx(1.0)
@@ -1769,3 +1772,123 @@ def test_overlap_times_each_kernel_alone_and_beside_the_gemm_and_resets_the_carv
     with pytest.raises(RuntimeError, match="timing failed"):
         bt.bench_overlap(8, 16, failing, carveouts=(32,), calls=calls, device="cpu", log=lambda line: None)
     assert carved == [32, None]
+
+
+class _StandInStream:
+    """A stream stand-in for the CPU: records what waits on what."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def _stand_in_side_stream(log, side_stream=None):
+    from mhc_lab.course.bench_training import SideStream
+
+    side_stream = side_stream or SideStream
+    main, side = _StandInStream("main", log), _StandInStream("side", log)
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(f"on {stream.name}")
+        yield
+        log.append("back")
+
+    return side_stream(stream=side, on=on, current=lambda: main)
+
+
+@pytest.mark.parametrize("shape,out,bias", [((2, 5, 7), 3, True), ((11, 16), 40, False), ((1, 1, 1), 1, True)])
+def test_weight_grads_beside_equal_linears_and_are_written_on_the_side_stream(shape, out, bias):
+    """LinearWeightGradBeside (float64, stand-in streams): the output and the gradients of x, W and b equal
+    nn.Linear's for a random upstream gradient, added to gradients already there; the side stream waits for the
+    main one before each weight gradient, the main one waits for it once when the backward ends, and what the
+    side stream read is let go then."""
+    from mhc_lab.course.bench_training import LinearWeightGradBeside
+
+    torch.manual_seed(1)
+    log = []
+    side = _stand_in_side_stream(log)
+    plain = nn.Linear(shape[-1], out, bias=bias).double()
+    twin = nn.Linear(shape[-1], out, bias=bias).double()
+    twin.load_state_dict(plain.state_dict())
+    beside = nn.Sequential(LinearWeightGradBeside(twin, side), nn.Tanh(), LinearWeightGradBeside(
+        nn.Linear(out, 5).double(), side))
+    reference = nn.Sequential(plain, nn.Tanh(), nn.Linear(out, 5).double())
+    reference[2].load_state_dict({"weight": beside[2].weight.detach(), "bias": beside[2].bias.detach()})
+    x = torch.randn(*shape, dtype=torch.float64)
+    g = torch.randn(*shape[:-1], 5, dtype=torch.float64)
+    for _ in range(2):  # the second pass adds to the first's gradients
+        got = [x.clone().requires_grad_(True) for _ in range(2)]
+        ys = [model(xi) for model, xi in zip((reference, beside), got)]
+        assert torch.allclose(ys[0], ys[1], rtol=1e-12, atol=1e-12)
+        for y in ys:
+            y.backward(g)
+        assert torch.allclose(got[0].grad, got[1].grad, rtol=1e-12, atol=1e-12)
+        for p, q in zip(reference.parameters(), beside.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        assert side.held == [] and not side.join_queued
+    one_pass = ["side waits for main", "on side", "back"] * 2 + ["main waits for side"]
+    assert log == one_pass * 2
+
+
+def test_blocks_layers_take_their_weight_gradients_beside_within_the_switch(monkeypatch):
+    """_Block built within layers_weight_grads_beside(True) has no nn.Linear left in its layers, every one replaced
+    on the same parameters, and gives the plain block's output and gradients (float64, stand-in streams)."""
+    from mhc_lab.course import bench_training as bt
+
+    log = []
+    real = bt.SideStream
+    carveouts = []
+    monkeypatch.setattr(bt, "SideStream", lambda carveout: (carveouts.append(carveout),
+                                                             _stand_in_side_stream(log, real))[1])
+    torch.manual_seed(0)
+    plain = bt._Block(32, 2, "residual").double()
+    with bt.layers_weight_grads_beside(True):
+        beside = bt._Block(32, 2, "residual").double()
+    assert bt.WEIGHT_GRADS_BESIDE is None and carveouts == [0]
+    assert not any(isinstance(m, nn.Linear) for m in beside.modules())
+    assert sum(isinstance(m, bt.LinearWeightGradBeside) for m in beside.modules()) == 4
+    beside.load_state_dict(plain.state_dict())
+    h = torch.randn(2, 6, 32, dtype=torch.float64)
+    g = torch.randn(2, 6, 32, dtype=torch.float64)
+    xs = [h.clone().requires_grad_(True) for _ in range(2)]
+    for block, x in zip((plain, beside), xs):
+        block(x).backward(g)
+    assert torch.allclose(xs[0].grad, xs[1].grad, rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), beside.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-12), name
+    assert log.count("main waits for side") == 1 and log.count("side waits for main") == 4
+
+
+def test_sm_carveout_sets_and_restores_and_refuses_a_torch_without_it(monkeypatch):
+    from mhc_lab.course.bench_training import layers_weight_grads_beside, sm_carveout
+
+    state = {"sms": 8}
+    monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: state["sms"], raising=False)
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda k: state.update(sms=k), raising=False)
+    with sm_carveout(24):
+        assert state["sms"] == 24
+    assert state["sms"] == 8
+    with sm_carveout(0):
+        assert state["sms"] == 8
+    monkeypatch.delattr(torch._C, "_set_sm_carveout_experimental")
+    with pytest.raises(RuntimeError, match="an SM carve-out of 16 needs torch._C._set_sm_carveout_experimental"):
+        with sm_carveout(16):
+            pass
+    with pytest.raises(ValueError, match="carveout: expected a number of SMs >= 0, got -1"):
+        with layers_weight_grads_beside(True, -1):
+            pass
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--beside-carveout", "16"], "--beside-carveout 16: expected with --weight-grads-beside, given without"),
+    (["--weight-grads-beside", "--beside-carveout", "-2"], "--beside-carveout: expected a number of SMs >= 0, got -2"),
+])
+def test_training_benchmark_refuses_a_carveout_it_cannot_use(capsys, argv, message):
+    from mhc_lab.course.bench_training import main
+
+    with pytest.raises(SystemExit):
+        main(["--parts", "block", *argv])
+    assert message in capsys.readouterr().err

@@ -24,6 +24,9 @@ move them (copy_floor_plan; 76C per token at n = 4), what the block would cost i
 the copy's pace and the small ones took no time. --block-rounds K
 times the blocks again in K interleaved rounds and records each kind's overhead per round and its median.
 --block-graphs times each block's step as a CUDA graph, the GPU's time without the host's waits.
+--weight-grads-beside gives every block's layers (the plain residual's too) weight gradients computed on a second
+stream, beside what follows on the lanes' path: where the GPU runs a connection's streaming kernels beside those
+GEMMs, the block's extra time can go below the copy floor (part "overlap" measures whether it does).
 Block kernels (part "block_kernels"): the plain and the chained block profiled kernel by kernel, and the chained
 block's connections with identities for layers, to say where the block's extra time goes (--block-kernels-kinds:
 other kinds in the chained block's place, the copy floor among them). Behind GEMMs (part
@@ -544,6 +547,123 @@ class _CopyFloor:
         return _MovesBytes.apply(h, self.copies(h, moves["forward"]), self.copies(h, moves["backward"]))
 
 
+class SideStream:
+    """A second CUDA stream for work off the lanes' path, joined into the caller's stream when each backward pass
+    ends: the tensors that work reads are held until then, so the caching allocator cannot hand their memory to
+    the main stream while the side stream still reads it. ``stream``, ``on`` (the context that makes it current)
+    and ``current`` (the caller's current stream) are CUDA's unless given (the CPU tests give stand-ins). With
+    ``carveout`` the matmuls launched on the side stream leave that many SMs to the main stream's kernels
+    (torch._C._set_sm_carveout_experimental, read by cuBLAS when each matmul is launched)."""
+
+    def __init__(self, stream=None, on=None, current=None, carveout: int = 0):
+        self.carveout = carveout
+        self.stream = torch.cuda.Stream() if stream is None else stream
+        self.on = torch.cuda.stream if on is None else on
+        self.current = torch.cuda.current_stream if current is None else current
+        self.held: list = []
+        self.join_queued = False
+
+    @contextlib.contextmanager
+    def beside(self, *held):
+        """Within this block, work runs on the side stream after what the main stream has queued so far."""
+        self.stream.wait_stream(self.current())
+        self.held.extend(held)
+        if not self.join_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.join)
+            self.join_queued = True
+        with self.on(self.stream), sm_carveout(self.carveout):
+            yield
+
+    def join(self):
+        self.current().wait_stream(self.stream)
+        self.held.clear()
+        self.join_queued = False
+
+
+@contextlib.contextmanager
+def sm_carveout(sms: int):
+    """Within this block, the matmuls launched leave ``sms`` SMs to other kernels (0: none left, the default);
+    the setting before is restored after. A torch without the setting refuses sms > 0."""
+    if not sms:
+        yield
+        return
+    carve = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if carve is None:
+        raise RuntimeError(f"an SM carve-out of {sms} needs torch._C._set_sm_carveout_experimental, which torch "
+                           f"{torch.__version__} does not have")
+    before = torch._C._get_sm_carveout_experimental()
+    carve(sms)
+    try:
+        yield
+    finally:
+        carve(before)
+
+
+class _LinearWeightGradBeside(torch.autograd.Function):
+    """y = x W^T + b. The backward writes dx on the main stream and W's and b's gradients on the side stream,
+    straight into their .grad (set, or added to where a gradient is there), returning none to autograd: so the
+    weight-gradient GEMM can run beside the connection's kernels that follow on the lanes' path."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, linear, side):
+        ctx.save_for_backward(x)
+        ctx.linear, ctx.side = linear, side
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,), linear = ctx.saved_tensors, ctx.linear
+        dx = dy @ linear.weight
+        with ctx.side.beside(x, dy):
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+            for param, grad in ((linear.weight, lambda: dy2.t() @ x2), (linear.bias, lambda: dy2.sum(0))):
+                if param is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad()
+                else:
+                    param.grad.add_(grad())
+        return dx, None, None, None, None
+
+
+class LinearWeightGradBeside(nn.Module):
+    """An nn.Linear's parameters, with their gradients computed on a side stream (_LinearWeightGradBeside)."""
+
+    def __init__(self, linear: nn.Linear, side: SideStream):
+        super().__init__()
+        self.weight, self.bias, self.side = linear.weight, linear.bias, side
+
+    def forward(self, x):
+        return _LinearWeightGradBeside.apply(x, self.weight, self.bias, self, self.side)
+
+
+def weight_grads_beside(module: nn.Module, side: SideStream) -> nn.Module:
+    """module with every nn.Linear inside it replaced by a LinearWeightGradBeside on the same parameters."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, LinearWeightGradBeside(child, side))
+        else:
+            weight_grads_beside(child, side)
+    return module
+
+
+WEIGHT_GRADS_BESIDE = None  # None, or the SMs the side stream's matmuls leave (a block's layers' weight gradients)
+
+
+@contextlib.contextmanager
+def layers_weight_grads_beside(enabled: bool, carveout: int = 0):
+    """Within this block, the blocks built (_Block) compute their layers' weight gradients on a side stream, each
+    of those matmuls leaving ``carveout`` SMs to the kernels on the lanes' path."""
+    global WEIGHT_GRADS_BESIDE
+    if carveout < 0:
+        raise ValueError(f"carveout: expected a number of SMs >= 0, got {carveout}")
+    before, WEIGHT_GRADS_BESIDE = WEIGHT_GRADS_BESIDE, (carveout if enabled else None)
+    try:
+        yield
+    finally:
+        WEIGHT_GRADS_BESIDE = before
+
+
 class _Block(nn.Module):
     """Pre-norm causal attention + 4C GELU MLP, joined by a plain residual or by an mHC connection each."""
 
@@ -554,6 +674,9 @@ class _Block(nn.Module):
         self.connection = connection
         self.layers = nn.ModuleList([PreNorm(width, CausalSelfAttention(width, heads)), PreNorm(width, MLP(width))])
         self.layers.to(torch.bfloat16)
+        if WEIGHT_GRADS_BESIDE is not None:
+            self._side = SideStream(carveout=WEIGHT_GRADS_BESIDE)
+            weight_grads_beside(self.layers, self._side)
         if connection == "copy_floor":
             self._copy_floor = _CopyFloor(copy_floor_plan(N, len(self.layers)))
         if connection.startswith("mhc"):
@@ -918,22 +1041,17 @@ def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32), calls=No
     def timed(step):
         return bench(_graph_replay(step), warmup_ms=50, rep_ms=300) * 1e3
 
-    carve = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    carves = hasattr(torch._C, "_set_sm_carveout_experimental")
     out = {"tokens": tokens, "C": C, "gemm": f"dW [{4 * C}, {C}] = [{4 * C}, {tokens}] @ [{tokens}, {C}], bf16",
            "alone_ms": {name: timed(fn) for name, fn in calls.items()}, "carveouts": {}}
-    if carve is None:
+    if not carves:
         out["carveout_note"] = "torch._C._set_sm_carveout_experimental is not in this torch: no carve-outs timed"
-    for k in carveouts if carve is not None else (0,):
-        try:
-            if carve is not None:
-                carve(k or None)
+    for k in carveouts if carves else (0,):
+        with sm_carveout(k):  # the GEMM's launches within the captures read it
             row = {"gemm_ms": timed(gemm), "beside_ms": {}, "hidden_pct": {}}
             for name, fn in calls.items():
                 row["beside_ms"][name] = timed(beside(fn))
                 row["hidden_pct"][name] = hidden_pct(row["gemm_ms"], out["alone_ms"][name], row["beside_ms"][name])
-        finally:
-            if carve is not None:
-                carve(None)
         out["carveouts"][str(k)] = row
         log(f"  overlap {tokens}x{C}, {k} SMs left out of the GEMM: GEMM {row['gemm_ms']:.3f} ms; "
             + "; ".join(f"{name} {out['alone_ms'][name]:.3f} alone, {row['beside_ms'][name]:.3f} with the GEMM "
@@ -1113,6 +1231,12 @@ def main(argv=None) -> int:
     parser.add_argument("--uniform-branches", action="store_true", help="compile every CUDA kernel with its role "
                         "branches made warp-uniform (mhc_lab.kernels._target.uniform_warp_branches; recorded as "
                         "uniform_warp_branches); not for the sweep part")
+    parser.add_argument("--weight-grads-beside", action="store_true", help="parts block and block_kernels: the "
+                        "blocks' layers compute their weight gradients on a second stream (LinearWeightGradBeside), "
+                        "beside what follows on the lanes' path, the plain residual's as well; recorded as "
+                        "weight_grads_beside")
+    parser.add_argument("--beside-carveout", type=int, default=0, help="with --weight-grads-beside: the SMs each "
+                        "side-stream matmul leaves to the lanes' kernels (recorded as beside_carveout)")
     parser.add_argument("--block-graphs", action="store_true", help="part 'block': time each step captured as a "
                         "CUDA graph (its replay: the GPU's time alone) instead of launched op by op")
     parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "
@@ -1122,6 +1246,10 @@ def main(argv=None) -> int:
     for flag in ("graph_rounds", "block_rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
+    if args.beside_carveout and not args.weight_grads_beside:
+        parser.error(f"--beside-carveout {args.beside_carveout}: expected with --weight-grads-beside, given without")
+    if args.beside_carveout < 0:
+        parser.error(f"--beside-carveout: expected a number of SMs >= 0, got {args.beside_carveout}")
     unknown = [k for k in args.block_kernels_kinds.split(",") if k not in BLOCK_KINDS or k == "residual"]
     if unknown:
         parser.error(f"--block-kernels-kinds: expected kinds among {', '.join(BLOCK_KINDS[1:])}, got "
@@ -1164,17 +1292,23 @@ def main(argv=None) -> int:
         results["post_project_tuning"] = project_tuning
     if args.uniform_branches:
         results["uniform_warp_branches"] = True
+    if args.weight_grads_beside:
+        results["weight_grads_beside"] = True
+        if args.beside_carveout:
+            results["beside_carveout"] = args.beside_carveout
     print(f"copy {results['copy_gbps']:.0f} GB/s" + (f"; kernel 2 tuned {tuning}" if tuning else "")
           + ({True: "; the post's output gradient to the pre", False: "; the post's dx to the pre", None: ""}[
               post_grad])
           + (f"; kernel 1 {phases}" if args.coefficient_phases else "")
           + (f"; the post + projection tuned {project_tuning}" if project_tuning else "")
-          + ("; role branches warp-uniform" if args.uniform_branches else ""))
+          + ("; role branches warp-uniform" if args.uniform_branches else "")
+          + ("; the layers' weight gradients on a second stream" if args.weight_grads_beside else ""))
 
     @contextlib.contextmanager
     def configured():  # the options that every part but the sweep runs under
         with lane_tuning(**tuning), post_gradient_to_pre(post_grad), coefficient_phases(phases), \
-                post_project_tuning(**project_tuning), warp_uniform_branches(args.uniform_branches):
+                post_project_tuning(**project_tuning), warp_uniform_branches(args.uniform_branches), \
+                layers_weight_grads_beside(args.weight_grads_beside, args.beside_carveout):
             yield
 
     def save(final=False):
