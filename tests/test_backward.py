@@ -1828,9 +1828,25 @@ def test_weight_grads_beside_equal_linears_and_are_written_on_the_side_stream(sh
         assert torch.allclose(got[0].grad, got[1].grad, rtol=1e-12, atol=1e-12)
         for p, q in zip(reference.parameters(), beside.parameters()):
             assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-12)
-        assert side.held == [] and not side.join_queued
+        assert side.held == [] and side.joins is None
     one_pass = ["side waits for main", "on side", "back"] * 2 + ["main waits for side"]
     assert log == one_pass * 2
+
+    class Fails(torch.autograd.Function):  # a backward that fails after the side stream's work was queued
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("later node failed")
+
+    log.clear()
+    with pytest.raises(RuntimeError, match="later node failed"):
+        beside(Fails.apply(x.clone().requires_grad_(True))).backward(g)
+    assert "main waits for side" not in log and side.joins is not None  # the failed pass never reached its end
+    beside(x.clone().requires_grad_(True)).backward(g)  # the next pass queues its own join
+    assert log[-1] == "main waits for side" and side.held == []
 
 
 def test_blocks_layers_take_their_weight_gradients_beside_within_the_switch(monkeypatch):

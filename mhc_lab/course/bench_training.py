@@ -561,23 +561,26 @@ class SideStream:
         self.on = torch.cuda.stream if on is None else on
         self.current = torch.cuda.current_stream if current is None else current
         self.held: list = []
-        self.join_queued = False
+        self.joins = None  # the backward pass whose end joins the side stream (its graph task's id)
 
     @contextlib.contextmanager
     def beside(self, *held):
-        """Within this block, work runs on the side stream after what the main stream has queued so far."""
+        """Within this block (inside a backward pass), work runs on the side stream after what the main stream has
+        queued so far; the pass's end joins it. Each pass queues its own join, so a pass that failed before its
+        end leaves the next one joined all the same."""
         self.stream.wait_stream(self.current())
         self.held.extend(held)
-        if not self.join_queued:
+        task = torch._C._current_graph_task_id()
+        if self.joins != task:
             torch.autograd.Variable._execution_engine.queue_callback(self.join)
-            self.join_queued = True
+            self.joins = task
         with self.on(self.stream), sm_carveout(self.carveout):
             yield
 
     def join(self):
         self.current().wait_stream(self.stream)
         self.held.clear()
-        self.join_queued = False
+        self.joins = None
 
 
 @contextlib.contextmanager
