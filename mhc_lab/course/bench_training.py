@@ -1013,7 +1013,7 @@ def hidden_pct(gemm_ms: float, alone_ms: float, beside_ms: float) -> float:
     return 100 * (gemm_ms + alone_ms - beside_ms) / alone_ms
 
 
-def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32), calls=None, device="cuda",
+def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32, 64), calls=None, device="cuda",
                   log=print) -> dict:
     """Whether mHC's streaming kernels can hide beside a layer's matmuls. A block runs its connections' kernels
     one after another with the layers', so their bytes add to its time at the copy's pace (the copy floor). A
