@@ -1708,31 +1708,39 @@ def test_hidden_pct_reads_the_pairs_time_against_the_two_in_turn():
 
 def test_overlap_times_each_kernel_alone_and_beside_the_gemm_and_resets_the_carveout(monkeypatch):
     """bench_overlap (stand-in streams, capture and timer, on the CPU): every kernel timed alone, then the GEMM
-    alone and each kernel launched beside it on the side stream, per carve-out, the carve-out reset after each
-    (also when a timing fails)."""
+    alone and each kernel launched beside it on a side stream, in each mode (as a graph, launched, launched on a
+    high-priority side stream) and per carve-out, the carve-out reset after each (also when a timing fails)."""
     from mhc_lab.course import bench_training as bt
 
-    events = []
+    events, made = [], []
 
     class Stream:
+        def __init__(self, priority=0):
+            self.priority = priority
+            made.append(self)
+
+        @staticmethod
+        def priority_range():
+            return 0, -5
+
         def wait_stream(self, other):
             events.append("wait")
 
-    side, main = Stream(), Stream()
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: side)
+    main = Stream()
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
+    ran = []
 
     @contextlib.contextmanager
     def on(stream):
-        events.append("side" if stream is side else "main")
+        events.append(f"side {stream.priority}")
         yield
         events.append("back")
 
     monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(bt, "_graph_replay", lambda step: step)
+    monkeypatch.setattr(bt, "_graph_replay", lambda step: (lambda: (ran.append("graph"), step())))
     carved = []
     monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", carved.append, raising=False)
-    ran = []
     calls = {"k": lambda: ran.append("k")}
     mm = torch.mm
 
@@ -1742,30 +1750,44 @@ def test_overlap_times_each_kernel_alone_and_beside_the_gemm_and_resets_the_carv
 
     monkeypatch.setattr(torch, "mm", gemm)
     ms = {("k",): 0.25, ("copy",): 0.5, ("gemm",): 1.0, ("k", "gemm"): 1.1, ("copy", "gemm"): 1.5}
+    graphs = []
 
     def bench(fn, warmup_ms=25, rep_ms=100):
         ran.clear()
         fn()
-        key = tuple("copy" if r is None else r for r in ran) or ("copy",)
-        return ms[key] * 1e-3
+        graphs.append(ran[:1] == ["graph"])
+        key = tuple("copy" if r is None else r for r in ran if r != "graph")
+        return (ms[key] + (0.05 if graphs[-1] else 0.0)) * 1e-3  # graphs timed a little slower, to tell them apart
 
     copy_ = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src: (ran.append(None), copy_(dst, src))[1])
     out = bt.bench_overlap(8, 16, bench, carveouts=(0, 16), calls=calls, device="cpu", log=lambda line: None)
-    assert out["alone_ms"] == pytest.approx({"k": 0.25, "copy of 8C per token": 0.5})
+    assert out["modes"] == ["graph", "launched", "launched_priority"]
+    assert out["alone_ms"]["graph"] == pytest.approx({"k": 0.30, "copy of 8C per token": 0.55})
+    assert out["alone_ms"]["launched"] == out["alone_ms"]["launched_priority"] == pytest.approx(
+        {"k": 0.25, "copy of 8C per token": 0.5})
     assert carved == [16, None]  # none set for 0; 16 for the second, then the setting before
     for k in ("0", "16"):
         row = out["carveouts"][k]
-        assert row["gemm_ms"] == pytest.approx(1.0)
-        assert row["hidden_pct"] == pytest.approx({"k": 60.0, "copy of 8C per token": 0.0})
-    assert events[:4] == ["wait", "side", "back", "wait"]  # the side stream waits, runs the kernel, main joins
+        assert row["graph"]["gemm_ms"] == pytest.approx(1.05)
+        assert row["graph"]["hidden_pct"] == pytest.approx({"k": 100 * (1.05 + 0.3 - 1.15) / 0.3,
+                                                            "copy of 8C per token": 100 * 0.05 / 0.55})
+        for mode in ("launched", "launched_priority"):
+            assert row[mode]["gemm_ms"] == pytest.approx(1.0)
+            assert row[mode]["hidden_pct"] == pytest.approx({"k": 60.0, "copy of 8C per token": 0.0})
+    # per carve-out: 2 GEMM timings and 3 modes x 2 kernels, after 2 modes x 2 kernels alone
+    assert len(graphs) == 4 + 2 * 8 and sum(graphs) == 2 + 2 * 3
+    high = [st for st in made if st.priority == -5]
+    assert len(high) == 1  # the highest priority of the range, for the launched_priority mode's side stream
+    assert "side -5" in events and "side 0" in events
+    assert events[:4] == ["wait", "side 0", "back", "wait"]  # the side stream waits, runs the kernel, main joins
     assert out["gemm"] == "dW [64, 16] = [64, 8] @ [8, 16], bf16"
 
     carved.clear()
     timings = iter(range(100))
 
     def failing(fn, warmup_ms=25, rep_ms=100):
-        if next(timings) == 2:  # the GEMM's first timing, after the two kernels' alone
+        if next(timings) == 4:  # the GEMM's first timing, after the two kernels' alone in two modes
             raise RuntimeError("timing failed")
         return bench(fn)
 

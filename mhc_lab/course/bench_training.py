@@ -1013,6 +1013,9 @@ def hidden_pct(gemm_ms: float, alone_ms: float, beside_ms: float) -> float:
     return 100 * (gemm_ms + alone_ms - beside_ms) / alone_ms
 
 
+OVERLAP_MODES = ("graph", "launched", "launched_priority")
+
+
 def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32, 64), calls=None, device="cuda",
                   log=print) -> dict:
     """Whether mHC's streaming kernels can hide beside a layer's matmuls. A block runs its connections' kernels
@@ -1020,9 +1023,10 @@ def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32, 64), call
     layer's weight-gradient GEMMs lie off the lanes' path, and the connection's backward could run beside them on
     a second stream. Here one of them, the MLP's dW [4C, C] summed over ``tokens``, is timed alone and with each of
     ``calls`` (default: kernel 2 on the 42C path and the post + projection, hot_kernel_calls) and a copy of 8C per
-    token launched beside it on a second stream, each pair captured as one CUDA graph of two branches
-    (hidden_pct). With ``carveouts`` the GEMM is also run with that many SMs left to the kernel beside it, where
-    torch can ask cuBLAS for that (torch._C._set_sm_carveout_experimental)."""
+    token launched beside it on a second stream (hidden_pct), in OVERLAP_MODES: the pair captured as one CUDA graph
+    of two branches; launched; and launched with the kernel's stream at the highest priority, so that SMs the
+    GEMM frees go to the kernel first. With ``carveouts`` the GEMM is also run with that many SMs left to the
+    kernel beside it, where torch can ask cuBLAS for that (torch._C._set_sm_carveout_experimental)."""
     bf16 = dict(dtype=torch.bfloat16, device=device)
     a, b = torch.randn(4 * C, tokens, **bf16), torch.randn(tokens, C, **bf16)
     dw = torch.empty(4 * C, C, **bf16)
@@ -1030,12 +1034,13 @@ def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32, 64), call
     src = torch.randn(tokens, N, C, **bf16)
     dst = torch.empty_like(src)
     calls["copy of 8C per token"] = lambda: dst.copy_(src)
-    side = torch.cuda.Stream()
+    high = torch.cuda.Stream(priority=min(torch.cuda.Stream.priority_range()))
+    sides = {"graph": torch.cuda.Stream(), "launched": torch.cuda.Stream(), "launched_priority": high}
 
     def gemm():
         torch.mm(a, b, out=dw)
 
-    def beside(fn):
+    def beside(fn, side):
         def step():
             main = torch.cuda.current_stream()
             side.wait_stream(main)
@@ -1045,24 +1050,34 @@ def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32, 64), call
             main.wait_stream(side)
         return step
 
-    def timed(step):
-        return bench(_graph_replay(step), warmup_ms=50, rep_ms=300) * 1e3
+    def timed(step, mode):
+        return bench(_graph_replay(step) if mode == "graph" else step, warmup_ms=50, rep_ms=300) * 1e3
 
     carves = hasattr(torch._C, "_set_sm_carveout_experimental")
     out = {"tokens": tokens, "C": C, "gemm": f"dW [{4 * C}, {C}] = [{4 * C}, {tokens}] @ [{tokens}, {C}], bf16",
-           "alone_ms": {name: timed(fn) for name, fn in calls.items()}, "carveouts": {}}
+           "modes": list(OVERLAP_MODES),
+           "alone_ms": {mode: {name: timed(fn, mode) for name, fn in calls.items()} for mode in OVERLAP_MODES[:2]},
+           "carveouts": {}}
+    out["alone_ms"]["launched_priority"] = out["alone_ms"]["launched"]  # alone, a stream's priority changes nothing
     if not carves:
         out["carveout_note"] = "torch._C._set_sm_carveout_experimental is not in this torch: no carve-outs timed"
     for k in carveouts if carves else (0,):
-        with sm_carveout(k):  # the GEMM's launches within the captures read it
-            row = {"gemm_ms": timed(gemm), "beside_ms": {}, "hidden_pct": {}}
-            for name, fn in calls.items():
-                row["beside_ms"][name] = timed(beside(fn))
-                row["hidden_pct"][name] = hidden_pct(row["gemm_ms"], out["alone_ms"][name], row["beside_ms"][name])
+        row = {}
+        with sm_carveout(k):  # read by the GEMM's launches, within the captures too
+            gemm_ms = {"graph": timed(gemm, "graph"), "launched": timed(gemm, "launched")}
+            gemm_ms["launched_priority"] = gemm_ms["launched"]
+            for mode in OVERLAP_MODES:
+                r = row[mode] = {"gemm_ms": gemm_ms[mode], "beside_ms": {}, "hidden_pct": {}}
+                for name, fn in calls.items():
+                    r["beside_ms"][name] = timed(beside(fn, sides[mode]), mode)
+                    r["hidden_pct"][name] = hidden_pct(r["gemm_ms"], out["alone_ms"][mode][name],
+                                                       r["beside_ms"][name])
         out["carveouts"][str(k)] = row
-        log(f"  overlap {tokens}x{C}, {k} SMs left out of the GEMM: GEMM {row['gemm_ms']:.3f} ms; "
-            + "; ".join(f"{name} {out['alone_ms'][name]:.3f} alone, {row['beside_ms'][name]:.3f} with the GEMM "
-                        f"({row['hidden_pct'][name]:.0f}% hidden)" for name in calls))
+        for mode in OVERLAP_MODES:
+            r = row[mode]
+            log(f"  overlap {tokens}x{C} {mode}, {k} SMs left out of the GEMM: GEMM {r['gemm_ms']:.3f} ms; "
+                + "; ".join(f"{name} {out['alone_ms'][mode][name]:.3f} alone, {r['beside_ms'][name]:.3f} with the "
+                            f"GEMM ({r['hidden_pct'][name]:.0f}% hidden)" for name in calls))
     return out
 
 
