@@ -1930,3 +1930,22 @@ def test_training_benchmark_refuses_a_carveout_it_cannot_use(capsys, argv, messa
     with pytest.raises(SystemExit):
         main(["--parts", "block", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_weight_grads_beside_skip_dx_for_an_input_that_needs_none():
+    """An input without requires_grad (a stack's first layer): no dx is formed, and W's and b's gradients still
+    equal nn.Linear's."""
+    from mhc_lab.course.bench_training import LinearWeightGradBeside
+
+    torch.manual_seed(2)
+    plain = nn.Linear(9, 5).double()
+    twin = nn.Linear(9, 5).double()
+    twin.load_state_dict(plain.state_dict())
+    beside = LinearWeightGradBeside(twin, _stand_in_side_stream([]))
+    x = torch.randn(3, 4, 9, dtype=torch.float64)
+    g = torch.randn(3, 4, 5, dtype=torch.float64)
+    plain(x).backward(g)
+    beside(x).backward(g)
+    assert x.grad is None
+    for p, q in zip(plain.parameters(), beside.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-12)

@@ -617,7 +617,7 @@ class _LinearWeightGradBeside(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,), linear = ctx.saved_tensors, ctx.linear
-        dx = dy @ linear.weight
+        dx = dy @ linear.weight if ctx.needs_input_grad[0] else None
         with ctx.side.beside(x, dy):
             dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
             for param, grad in ((linear.weight, lambda: dy2.t() @ x2), (linear.bias, lambda: dy2.sum(0))):
