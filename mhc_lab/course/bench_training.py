@@ -1216,9 +1216,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep,host,"
                         "block_kernels (the plain and the chained block's kernels, side by side),behind_gemms "
-                        "(the chained site's kernels alone and behind GEMMs, at --shapes),overlap (kernel 2, the post + "
-                        "projection and a copy each beside a weight-gradient GEMM on a second stream, at --shapes),"
-                        "profile_kernels "
+                        "(the chained site's kernels alone and behind GEMMs, at --shapes),overlap (kernel 2, the "
+                        "post + projection and a copy each beside a weight-gradient GEMM on a second stream, at "
+                        "--shapes),profile_kernels "
                         "(kernel 2 and the post + projection once each between cudaProfilerStart and Stop, at "
                         "--shapes, for ncu --profile-from-start off; nothing recorded)")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
