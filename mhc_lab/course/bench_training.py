@@ -678,9 +678,8 @@ class _Block(nn.Module):
         self.connection = connection
         self.layers = nn.ModuleList([PreNorm(width, CausalSelfAttention(width, heads)), PreNorm(width, MLP(width))])
         self.layers.to(torch.bfloat16)
-        if WEIGHT_GRADS_BESIDE is not None:
-            self._side = SideStream(carveout=WEIGHT_GRADS_BESIDE)
-            weight_grads_beside(self.layers, self._side)
+        if WEIGHT_GRADS_BESIDE is not None:  # each replaced layer holds the one side stream
+            weight_grads_beside(self.layers, SideStream(carveout=WEIGHT_GRADS_BESIDE))
         if connection == "copy_floor":
             self._copy_floor = _CopyFloor(copy_floor_plan(N, len(self.layers)))
         if connection.startswith("mhc"):
@@ -1034,8 +1033,8 @@ def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32, 64), call
     src = torch.randn(tokens, N, C, **bf16)
     dst = torch.empty_like(src)
     calls["copy of 8C per token"] = lambda: dst.copy_(src)
-    high = torch.cuda.Stream(priority=min(torch.cuda.Stream.priority_range()))
-    sides = {"graph": torch.cuda.Stream(), "launched": torch.cuda.Stream(), "launched_priority": high}
+    side, high = torch.cuda.Stream(), torch.cuda.Stream(priority=min(torch.cuda.Stream.priority_range()))
+    sides = {"graph": side, "launched": side, "launched_priority": high}
 
     def gemm():
         torch.mm(a, b, out=dw)
