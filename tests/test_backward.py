@@ -1653,6 +1653,38 @@ def test_block_rounds_take_each_kinds_overhead_per_round(monkeypatch):
     assert out["peak_gib"] == {"residual": 1.0, "mhc_ours_chained": 1.0}
 
 
+def test_block_rounds_with_weight_grads_beside_also_time_the_plain_block_without(monkeypatch):
+    """With the layers' weight gradients beside (stand-in steps and timer), the block benchmark also times the plain
+    block built without the side stream, and reads each kind per round against the faster of the two plain ones."""
+    from mhc_lab.course import bench_training as bt
+
+    monkeypatch.setattr(bt, "BLOCK_KINDS", ("residual", "mhc_ours_chained", "mhc_compiled"))
+    monkeypatch.setattr(bt, "_block_step", lambda width, kind, batch, seq: (
+        lambda k=bt.INLINE_RESIDUAL if bt.WEIGHT_GRADS_BESIDE is None else kind: k))
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2**30)
+    seconds = {"residual": iter([10e-3, 10e-3, 12e-3]), "mhc_ours_chained": iter([11e-3, 11e-3, 12.6e-3]),
+               bt.INLINE_RESIDUAL: iter([10.5e-3, 10.5e-3, 11e-3])}
+    order = []
+
+    def bench(fn, warmup_ms=25, rep_ms=100):
+        order.append(fn())
+        return next(seconds[order[-1]])
+
+    with bt.layers_weight_grads_beside(True):
+        out = bt.bench_block(256, bench, rounds=2, log=lambda line: None)
+    assert order == ["residual", "mhc_ours_chained", bt.INLINE_RESIDUAL] * 3
+    assert "torch.compile" in out["errors"]["mhc_compiled"]
+    assert out["overhead_pct_rounds"]["mhc_ours_chained"]["median"] == pytest.approx(7.5)  # 10%, 5%
+    o = out["overhead_pct_rounds_vs_best_plain"]
+    assert set(o) == {"mhc_ours_chained"}  # rounds: the plain blocks' faster 10 then 11 ms
+    assert (o["mhc_ours_chained"]["least"], o["mhc_ours_chained"]["most"]) == pytest.approx((10.0, 100 * (12.6 / 11 - 1)))
+    out = bt.bench_block(256, bench=lambda fn, **kw: 1e-2, rounds=2, log=lambda line: None)  # without: not timed
+    assert bt.INLINE_RESIDUAL not in out["times_ms"] and "overhead_pct_rounds_vs_best_plain" not in out
+
+
 def test_block_graphs_time_each_steps_replay_and_take_the_peak_launched(monkeypatch):
     """bench_block(graphs=True) (stand-in steps, timer and capture): each kind's step runs launched for its peak
     memory, then is captured, and the timer (rounds included) sees only the replays."""
@@ -1898,6 +1930,60 @@ def test_blocks_layers_take_their_weight_gradients_beside_within_the_switch(monk
     for (name, p), q in zip(plain.named_parameters(), beside.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-12), name
     assert log.count("main waits for side") == 1 and log.count("side waits for main") == 4
+
+
+@needs_cuda
+@pytest.mark.parametrize("connection", ["residual", "mhc_ours"])
+@pytest.mark.parametrize("carveout", [0, 16])
+def test_cuda_weight_grads_beside_match_the_plain_block_launched_and_as_a_graph(connection, carveout):
+    """On CUDA streams (the block benchmark's width 2560, 512 tokens, bf16): a block whose layers' weight gradients
+    are computed on a side stream, with and without SMs carved out of those matmuls, gives the plain block's input
+    and parameter gradients, for a random upstream gradient, launched and replayed as a CUDA graph (the side
+    stream forked and joined inside the capture); a race with the side stream would read unfinished sums."""
+    from mhc_lab.course import bench_training as bt
+    from mhc_lab.ops.training import chaining_on_cuda
+
+    width = 2560
+    shape = (1, 512, width) if connection == "residual" else (1, 512, bt.N, width)
+
+    def build():
+        torch.manual_seed(0)
+        return bt._Block(width, width // 128, connection).cuda()
+
+    plain = build()
+    with bt.layers_weight_grads_beside(True, carveout):
+        beside = build()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    g = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def step(block):
+        def run():
+            h.grad = None
+            block.zero_grad(set_to_none=True)
+            with chaining_on_cuda(True):
+                block(h).backward(g)
+        return run
+
+    def grads(block):
+        torch.cuda.synchronize()
+        return [h.grad.float().clone()] + [p.grad.float().clone() for p in block.parameters()]
+
+    def near(got, want, what):
+        for k, (a, b) in enumerate(zip(got, want)):
+            err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+            assert err < 1e-2, f"{what}: gradient {k} off by {err:.2e} (relative norm)"
+
+    step(plain)()
+    want = grads(plain)
+    step(beside)()
+    near(grads(beside), want, "launched")
+    replay = bt._graph_replay(step(beside))
+    for p in beside.parameters():  # stale values would pass unseen: the replay must write every gradient
+        p.grad.fill_(float("nan"))
+    h.grad.fill_(float("nan"))
+    replay()
+    near(grads(beside), want, "as a CUDA graph")
 
 
 def test_sm_carveout_sets_and_restores_and_refuses_a_torch_without_it(monkeypatch):

@@ -726,6 +726,7 @@ class _Block(nn.Module):
         return h
 
 
+INLINE_RESIDUAL = "residual_weight_grads_inline"  # the plain block without a side stream, beside ones that have it
 BLOCK_KINDS = ("residual", "copy_floor", "mhc_ours", "mhc_ours_chained", "mhc_ours_joined", "mhc_ours_recompute",
                "mhc_tilekernels", "mhc_compiled")
 
@@ -788,14 +789,21 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
     if graphs:
         out["timed"] = "as CUDA graphs"
     kept = {}  # the steps, for the interleaved rounds
-    for kind in BLOCK_KINDS:
+    beside = WEIGHT_GRADS_BESIDE is not None
+    # with the weight gradients beside, the plain block as it is without them too: a second stream that made the
+    # plain block slower would flatter every ratio to the plain block with them
+    for kind in BLOCK_KINDS + ((INLINE_RESIDUAL,) if beside else ()):
         if kind == "mhc_tilekernels" and "tilekernels" in skip or kind == "mhc_compiled" and "compile" in skip:
             continue
-        if kind == "mhc_compiled" and WEIGHT_GRADS_BESIDE is not None:
+        if kind == "mhc_compiled" and beside:
             out["errors"][kind] = "not timed: torch.compile does not trace the side stream's weight gradients"
             continue
         try:
-            step = _block_step(width, kind, batch, seq)
+            if kind == INLINE_RESIDUAL:
+                with layers_weight_grads_beside(False):
+                    step = _block_step(width, "residual", batch, seq)
+            else:
+                step = _block_step(width, kind, batch, seq)
             step()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -833,6 +841,17 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
                 o = out["overhead_pct_rounds"][kind]
                 log(f"  block C={width} {kind:20s} over {rounds} interleaved rounds: median {o['median']:+.1f}% "
                     f"({o['least']:+.1f}% to {o['most']:+.1f}%)")
+        if INLINE_RESIDUAL in out["rounds_ms"]:
+            # each kind against the faster of the two plain blocks, round by round
+            best = {"best_plain": [min(a, b) for a, b in zip(out["rounds_ms"]["residual"],
+                                                             out["rounds_ms"][INLINE_RESIDUAL])]}
+            out["overhead_pct_rounds_vs_best_plain"] = {}
+            for kind in (k for k in out["rounds_ms"] if k not in ("residual", INLINE_RESIDUAL)):
+                ratio = round_ratios({**best, kind: out["rounds_ms"][kind]}, ours=kind, base="best_plain")
+                o = out["overhead_pct_rounds_vs_best_plain"][kind] = {
+                    k: 100 * (v - 1) for k, v in ratio.items() if k != "ratios"}
+                log(f"  block C={width} {kind:20s} against the faster plain block per round: median "
+                    f"{o['median']:+.1f}% ({o['least']:+.1f}% to {o['most']:+.1f}%)")
     return out
 
 
