@@ -1685,6 +1685,57 @@ def test_block_rounds_with_weight_grads_beside_also_time_the_plain_block_without
     assert bt.INLINE_RESIDUAL not in out["times_ms"] and "overhead_pct_rounds_vs_best_plain" not in out
 
 
+def test_graph_replay_keeps_the_steps_tensors_alive(monkeypatch):
+    """_graph_replay (stand-in streams and graph): the step runs three times on a side stream, once under capture,
+    and the replay it returns replays the graph and holds the step, so that the tensors the graph reads (held by
+    the step's closure) outlive the step's other references."""
+    import gc
+    import weakref
+
+    from mhc_lab.course import bench_training as bt
+
+    events = []
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    @contextlib.contextmanager
+    def capture(graph):
+        events.append("capture")
+        yield
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", contextlib.nullcontext)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    class Weights:  # what a block's step holds
+        pass
+
+    def make():
+        weights = Weights()
+        return (lambda: events.append("step") if weights else None), weakref.ref(weights)
+
+    step, held = make()
+    replay = bt._graph_replay(step)
+    del step
+    gc.collect()
+    assert held() is not None
+    assert events == ["step"] * 3 + ["capture", "step"]
+    replay()
+    assert events[-1] == "replay"
+    del replay
+    gc.collect()
+    assert held() is None
+
+
 def test_block_graphs_time_each_steps_replay_and_take_the_peak_launched(monkeypatch):
     """bench_block(graphs=True) (stand-in steps, timer and capture): each kind's step runs launched for its peak
     memory, then is captured, and the timer (rounds included) sees only the replays."""

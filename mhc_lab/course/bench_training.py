@@ -263,7 +263,14 @@ def _graph_replay(step):
     with torch.cuda.graph(graph):
         step()
     torch.cuda.synchronize()
-    return graph.replay
+
+    def replay():
+        graph.replay()
+
+    # the graph reads and writes the tensors that step's closure holds (a block's parameters, its inputs):
+    # the replay keeps them alive, or their memory would go to whatever is allocated next
+    replay.step = step
+    return replay
 
 
 def _site_components(x, phi, bias, alpha, g, bench) -> dict:
