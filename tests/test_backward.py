@@ -1562,8 +1562,18 @@ def test_training_benchmark_takes_uniform_branches_block_graphs_and_weight_grads
     benchmark stops without a GPU, status 1)."""
     from mhc_lab.course.bench_training import main
 
-    assert main(["--parts", "site,block,overlap", "--uniform-branches", "--block-graphs",
-                 "--weight-grads-beside"]) == 1
+    assert main(["--parts", "site,block,overlap,block_zeroed", "--uniform-branches", "--block-graphs",
+                 "--weight-grads-beside", "--blas", "cublaslt"]) == 1
+
+
+@pytest.mark.parametrize("parts,bad", [("site,blocks", "blocks"), ("overlap,zeros,sweep", "zeros")])
+def test_training_benchmark_refuses_a_part_it_does_not_have(capsys, parts, bad):
+    from mhc_lab.course.bench_training import main
+
+    with pytest.raises(SystemExit):
+        main(["--parts", parts])
+    err = capsys.readouterr().err
+    assert "--parts: expected parts among site, block, sweep," in err and err.rstrip().endswith(f"got {bad}")
 
 
 @pytest.mark.parametrize("kinds", ["residual", "mhc_ours_chained,chained"])
@@ -1683,6 +1693,35 @@ def test_block_rounds_with_weight_grads_beside_also_time_the_plain_block_without
     assert (o["mhc_ours_chained"]["least"], o["mhc_ours_chained"]["most"]) == pytest.approx((10.0, 100 * (12.6 / 11 - 1)))
     out = bt.bench_block(256, bench=lambda fn, **kw: 1e-2, rounds=2, log=lambda line: None)  # without: not timed
     assert bt.INLINE_RESIDUAL not in out["times_ms"] and "overhead_pct_rounds_vs_best_plain" not in out
+
+
+def test_block_zeroed_times_the_plain_graph_on_random_tensors_then_on_zeros(monkeypatch):
+    """bench_block_zeroed (a stand-in step on the CPU, its graph the step itself): two timings on the step's random
+    tensors, then every tensor it reads zeroed in place (parameters and inputs) and two more; the difference in
+    per cent of the faster random one."""
+    from mhc_lab.course import bench_training as bt
+
+    torch.manual_seed(0)
+    layer, h, g = nn.Linear(8, 8), torch.randn(3, 8), torch.randn(3, 8)
+
+    def step():
+        return None
+
+    step.block, step.inputs = layer, (h, g)
+    monkeypatch.setattr(bt, "_block_step", lambda width, kind, batch, seq: step if kind == "residual" else None)
+    monkeypatch.setattr(bt, "_graph_replay", lambda s: s)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    times = iter([10e-3, 11e-3, 8e-3, 9e-3])
+    seen = []
+
+    def bench(fn, warmup_ms=25, rep_ms=100):
+        seen.append(all(bool((t == 0).all()) for t in (h, g, *layer.parameters())))
+        return next(times)
+
+    out = bt.bench_block_zeroed(256, bench, log=lambda line: None)
+    assert seen == [False, False, True, True]
+    assert out["random_ms"] == pytest.approx([10.0, 11.0]) and out["zeroed_ms"] == pytest.approx([8.0, 9.0])
+    assert out["zeroed_faster_pct"] == pytest.approx(20.0)
 
 
 def test_graph_replay_keeps_the_steps_tensors_alive(monkeypatch):
@@ -1858,6 +1897,10 @@ def test_overlap_times_each_kernel_alone_and_beside_the_gemm_and_resets_the_carv
         for mode in ("launched", "launched_priority"):
             assert row[mode]["gemm_ms"] == pytest.approx(1.0)
             assert row[mode]["hidden_pct"] == pytest.approx({"k": 60.0, "copy of 8C per token": 0.0})
+    for k in ("0", "16"):  # against the GEMM without a carve-out (the same here) and the kernel in turn
+        row = out["carveouts"][k]
+        assert row["graph"]["saved_ms"] == pytest.approx({"k": 1.05 + 0.3 - 1.15, "copy of 8C per token": 0.05})
+        assert row["launched"]["saved_ms"] == pytest.approx({"k": 0.15, "copy of 8C per token": 0.0})
     # per carve-out: 2 GEMM timings and 3 modes x 2 kernels, after 2 modes x 2 kernels alone
     assert len(graphs) == 4 + 2 * 8 and sum(graphs) == 2 + 2 * 3
     high = [st for st in made if st.priority == -5]

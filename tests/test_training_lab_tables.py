@@ -335,6 +335,9 @@ def test_block_rounds_table_gives_each_kinds_median_and_range():
     assert lines[0] == "run X, C = 64, 3 rounds (plain residual 11.00 ms, median):"
     assert lines[1].split()[-6:] == ["median", "+10.0%", "rounds", "+5.0%", "to", "+12.5%"]
     assert block_rounds_table({}) == "(no block runs in rounds recorded)"
+    shown = block_rounds_table({"block_rounds": [{"run": "Y", "block": [block], "invalid": "read freed memory: why"},
+                                                 {"run": "X", "block": [block]}]}).splitlines()
+    assert shown[0] == "run Y: not shown, invalid (read freed memory)" and shown[1].startswith("run X, C = 64")
 
 
 def test_recorded_block_breakdown_names_the_kernels_the_power_cap_slows():
@@ -346,6 +349,7 @@ def test_recorded_block_breakdown_names_the_kernels_the_power_cap_slows():
     assert {line.split()[0] for line in slow} == {"lanes_backward_cuda_post_grad", "post_project_cuda"}
     assert "lanes_backward_cuda_post_grad" in training_lab.block_breakdown_table(results).splitlines()[5 + 1]
     assert "run BM, C = 4096" in training_lab.block_rounds_table(results)
+    assert "run CD (as CUDA graphs): not shown, invalid" in training_lab.block_rounds_table(results)
 
 
 def test_block_table_gives_the_rounds_median_where_the_run_timed_rounds():

@@ -780,7 +780,29 @@ def _block_step(width: int, kind: str, batch: int, seq: int, layers: bool = True
                 options.enter_context(join_sites_backward(how[1]))
             fn(h).backward(g)
 
+    step.block, step.inputs = block, (h, g)  # what the step reads, for bench_block_zeroed
     return step
+
+
+def bench_block_zeroed(width, bench, *, batch=4, seq=4096, log=print) -> dict:
+    """The plain block's step as a CUDA graph, timed on its random tensors and then with every tensor it reads
+    (parameters, input lanes, upstream gradient) zeroed in place: under the H200's power cap, matmuls on zeros
+    draw less power and run faster, so a graph that reads memory overwritten with zeros (a freed tensor's, say)
+    times too fast."""
+    step = _block_step(width, "residual", batch, seq)
+    step()
+    torch.cuda.synchronize()
+    replay = _graph_replay(step)
+    out = {"C": width, "tokens": batch * seq, "timed": "as CUDA graphs",
+           "random_ms": [bench(replay, warmup_ms=100, rep_ms=500) * 1e3 for _ in range(2)]}
+    with torch.no_grad():
+        for t in (*step.inputs, *step.block.parameters()):
+            t.zero_()
+    out["zeroed_ms"] = [bench(replay, warmup_ms=100, rep_ms=500) * 1e3 for _ in range(2)]
+    out["zeroed_faster_pct"] = 100 * (1 - min(out["zeroed_ms"]) / min(out["random_ms"]))
+    log(f"  block C={width} plain residual as a CUDA graph: {min(out['random_ms']):.2f} ms on random tensors, "
+        f"{min(out['zeroed_ms']):.2f} ms on zeros ({out['zeroed_faster_pct']:.0f}% faster)")
+    return out
 
 
 def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: int = 1, graphs: bool = False) -> dict:
@@ -1103,6 +1125,18 @@ def bench_overlap(tokens: int, C: int, bench, *, carveouts=(0, 16, 32, 64), call
             log(f"  overlap {tokens}x{C} {mode}, {k} SMs left out of the GEMM: GEMM {r['gemm_ms']:.3f} ms; "
                 + "; ".join(f"{name} {out['alone_ms'][mode][name]:.3f} alone, {r['beside_ms'][name]:.3f} with the "
                             f"GEMM ({r['hidden_pct'][name]:.0f}% hidden)" for name in calls))
+    if "0" in out["carveouts"]:
+        # what the pair saves against the GEMM without a carve-out and the kernel one after the other: a carve-out
+        # that hides the kernel but slows the GEMM by more saves nothing
+        for k, row in out["carveouts"].items():
+            for mode, r in row.items():
+                r["saved_ms"] = {name: out["carveouts"]["0"][mode]["gemm_ms"] + out["alone_ms"][mode][name] - ms
+                                 for name, ms in r["beside_ms"].items()}
+        for name in calls:
+            best = max(((r["saved_ms"][name], k, mode) for k, row in out["carveouts"].items()
+                        for mode, r in row.items()))
+            log(f"  overlap {tokens}x{C} {name}: at best {best[0]:+.3f} ms saved against the two in turn "
+                f"({best[2]}, {best[1]} SMs left out of the GEMM)")
     return out
 
 
@@ -1237,13 +1271,18 @@ def bench_host(tokens, C, *, steps=200, top=25, log=print) -> dict:
     return out
 
 
+PARTS = ("site", "block", "sweep", "host", "block_kernels", "behind_gemms", "overlap", "block_zeroed",
+         "profile_kernels")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench training", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="site,block", help="comma-separated: site,block,sweep,host,"
                         "block_kernels (the plain and the chained block's kernels, side by side),behind_gemms "
                         "(the chained site's kernels alone and behind GEMMs, at --shapes),overlap (kernel 2, the "
                         "post + projection and a copy each beside a weight-gradient GEMM on a second stream, at "
-                        "--shapes),profile_kernels "
+                        "--shapes),block_zeroed (the plain block's CUDA graph on its random tensors and on zeros, at --widths),"
+                        "profile_kernels "
                         "(kernel 2 and the post + projection once each between cudaProfilerStart and Stop, at "
                         "--shapes, for ncu --profile-from-start off; nothing recorded)")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
@@ -1284,6 +1323,9 @@ def main(argv=None) -> int:
                         "weight_grads_beside")
     parser.add_argument("--beside-carveout", type=int, default=0, help="with --weight-grads-beside: the SMs each "
                         "side-stream matmul leaves to the lanes' kernels (recorded as beside_carveout)")
+    parser.add_argument("--blas", choices=("cublas", "cublaslt"), default=None, help="the library torch's matmuls "
+                        "call (torch.backends.cuda.preferred_blas_library; recorded as blas): an SM carve-out reaches "
+                        "cuBLASLt's matmuls, not cuBLAS's (part 'overlap', run CF)")
     parser.add_argument("--block-graphs", action="store_true", help="part 'block': time each step captured as a "
                         "CUDA graph (its replay: the GPU's time alone) instead of launched op by op")
     parser.add_argument("--block-rounds", type=int, default=1, help="part 'block': time the blocks again in this "
@@ -1297,6 +1339,9 @@ def main(argv=None) -> int:
         parser.error(f"--beside-carveout {args.beside_carveout}: expected with --weight-grads-beside, given without")
     if args.beside_carveout < 0:
         parser.error(f"--beside-carveout: expected a number of SMs >= 0, got {args.beside_carveout}")
+    parts = {p for p in args.parts.split(",") if p}
+    if parts - set(PARTS):
+        parser.error(f"--parts: expected parts among {', '.join(PARTS)}, got {', '.join(sorted(parts - set(PARTS)))}")
     unknown = [k for k in args.block_kernels_kinds.split(",") if k not in BLOCK_KINDS or k == "residual"]
     if unknown:
         parser.error(f"--block-kernels-kinds: expected kinds among {', '.join(BLOCK_KINDS[1:])}, got "
@@ -1321,7 +1366,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench training needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/training_h200.json")
         return 1
-    parts = {p for p in args.parts.split(",") if p}
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     skip = {s for s in args.skip.split(",") if s}
     bench, timer_name = _timer()
     t0 = time.time()
@@ -1339,6 +1385,8 @@ def main(argv=None) -> int:
         results["post_project_tuning"] = project_tuning
     if args.uniform_branches:
         results["uniform_warp_branches"] = True
+    if args.blas:
+        results["blas"] = args.blas
     if args.weight_grads_beside:
         results["weight_grads_beside"] = True
         if args.beside_carveout:
@@ -1349,6 +1397,7 @@ def main(argv=None) -> int:
           + (f"; kernel 1 {phases}" if args.coefficient_phases else "")
           + (f"; the post + projection tuned {project_tuning}" if project_tuning else "")
           + ("; role branches warp-uniform" if args.uniform_branches else "")
+          + (f"; matmuls through {args.blas}" if args.blas else "")
           + ("; the layers' weight gradients on a second stream" if args.weight_grads_beside else ""))
 
     @contextlib.contextmanager
@@ -1399,6 +1448,11 @@ def main(argv=None) -> int:
             tokens, C = (int(v) for v in sh.split("x"))
             with configured():
                 results["overlap"].append(bench_overlap(tokens, C, bench))
+            save()
+    if "block_zeroed" in parts:
+        results["block_zeroed"] = []
+        for w in args.widths.split(","):
+            results["block_zeroed"].append(bench_block_zeroed(int(w), bench))
             save()
     if "profile_kernels" in parts:
         for sh in args.shapes.split(","):

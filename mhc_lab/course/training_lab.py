@@ -615,7 +615,8 @@ BLOCK_IMPLEMENTATIONS = {"residual": "plain residual", "copy_floor": "copy floor
                          "mhc_ours": "mHC, ours",
                          "mhc_ours_chained": "mHC, ours, chained", "mhc_ours_joined": "mHC, ours, joined",
                          "mhc_ours_recompute": "mHC, ours + recompute", "mhc_tilekernels": "mHC, TileKernels",
-                         "mhc_compiled": "mHC, torch.compile"}
+                         "mhc_compiled": "mHC, torch.compile",
+                         "residual_weight_grads_inline": "plain, no side stream"}
 
 
 def _ms(value, unit: str = "") -> str:
@@ -903,6 +904,9 @@ def block_rounds_table(results: dict | None) -> str:
     the plain residual per round, its median, least and most."""
     lines = []
     for entry in (results or {}).get("block_rounds") or []:
+        if entry.get("invalid"):  # kept in the recording with its reason, never shown as a result
+            lines.append(f"run {entry.get('run', '?')}: not shown, invalid ({entry['invalid'].split(':')[0]})")
+            continue
         for r in entry.get("block") or []:
             rounds = r.get("overhead_pct_rounds") or {}
             if not rounds:
