@@ -1777,13 +1777,40 @@ def test_graph_replay_keeps_the_steps_tensors_alive(monkeypatch):
 
 def test_block_graphs_time_each_steps_replay_and_take_the_peak_launched(monkeypatch):
     """bench_block(graphs=True) (stand-in steps, timer and capture): each kind's step runs launched for its peak
-    memory, then is captured, and the timer (rounds included) sees only the replays."""
+    memory, then is captured, and the timer (rounds included) sees only the replays; after its timing each replay's
+    input gradient is checked against the launched step's, and a kind whose replay computes something else (here
+    copy_floor's, as a graph reading freed memory would) is refused with the difference, not timed."""
     from mhc_lab.course import bench_training as bt
 
-    monkeypatch.setattr(bt, "BLOCK_KINDS", ("residual", "copy_floor"))
+    monkeypatch.setattr(bt, "BLOCK_KINDS", ("residual", "copy_floor", "mhc_ours"))
     launched = []
-    monkeypatch.setattr(bt, "_block_step", lambda width, kind, batch, seq: (lambda: launched.append(kind)))
-    monkeypatch.setattr(bt, "_graph_replay", lambda step: (lambda: ("replay", step)))
+
+    def block_step(width, kind, batch, seq):
+        h = torch.randn(4, 8, requires_grad=True)
+        g = torch.randn(4, 8)
+
+        def step():
+            launched.append(kind)
+            h.grad = 2 * g
+
+        step.block, step.inputs = nn.Linear(8, 8), (h, g)
+        if kind == "copy_floor":
+            broken.append(step)
+        return step
+
+    def graph_replay(step):
+        h, g = step.inputs
+
+        def replay():
+            h.grad = 0 * g if step in broken else 2 * g
+            return "replay"
+
+        replay.step = step
+        return replay
+
+    broken = []
+    monkeypatch.setattr(bt, "_block_step", block_step)
+    monkeypatch.setattr(bt, "_graph_replay", graph_replay)
     for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
@@ -1791,13 +1818,16 @@ def test_block_graphs_time_each_steps_replay_and_take_the_peak_launched(monkeypa
     timed = []
 
     def bench(fn, warmup_ms=25, rep_ms=100):
-        timed.append(fn()[0])
+        timed.append(fn())
         return 10e-3
 
     out = bt.bench_block(256, bench, rounds=2, log=lambda line: None, graphs=True)
-    assert launched == ["residual", "residual", "copy_floor", "copy_floor"]
-    assert timed == ["replay"] * 6 and out["timed"] == "as CUDA graphs"
-    assert out["peak_gib"] == {"residual": 1.0, "copy_floor": 1.0}
+    assert launched == ["residual", "residual", "copy_floor", "copy_floor", "mhc_ours", "mhc_ours"]
+    assert timed == ["replay"] * (3 + 2 * 2) and out["timed"] == "as CUDA graphs"
+    assert out["graph_rel_diff"] == {"residual": 0.0, "copy_floor": 1.0, "mhc_ours": 0.0}
+    assert set(out["times_ms"]) == {"residual", "mhc_ours"} and set(out["rounds_ms"]) == {"residual", "mhc_ours"}
+    assert "1.00e+00 (relative) off the launched step's, where 0.01 was expected" in out["errors"]["copy_floor"]
+    assert out["peak_gib"] == {"residual": 1.0, "copy_floor": 1.0, "mhc_ours": 1.0}
 
 
 def test_post_project_tuning_sets_the_fused_kernels_options_within_its_block():

@@ -733,6 +733,8 @@ class _Block(nn.Module):
         return h
 
 
+GRAPH_TOLERANCE = 1e-2  # a block's replayed input gradient against its launched one (relative); bf16 matmuls that
+# cuBLAS chose differently under capture would differ by about 1e-3, a replay that reads freed memory by far more
 INLINE_RESIDUAL = "residual_weight_grads_inline"  # the plain block without a side stream, beside ones that have it
 BLOCK_KINDS = ("residual", "copy_floor", "mhc_ours", "mhc_ours_chained", "mhc_ours_joined", "mhc_ours_recompute",
                "mhc_tilekernels", "mhc_compiled")
@@ -811,12 +813,14 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
     round and its median recorded (overhead_pct_rounds), so that a drift of the GPU between kinds reaches both
     sides of each ratio. With graphs, each step is captured once as a CUDA graph and its replay is what is timed
     (recorded as timed "as CUDA graphs"): the GPU's time alone, without the moments it waits for the host's
-    launches, which a step launched op by op has and which added kernels can fill (run CC)."""
+    launches, which a step launched op by op has and which added kernels can fill (run CC); after its timing each
+    replay's input gradient is checked against the launched step's (graph_rel_diff, GRAPH_TOLERANCE), so that a
+    graph whose tensors were freed (run CD) is refused rather than timed."""
     heads = width // 128
     out = {"C": width, "tokens": batch * seq, "batch": batch, "seq": seq, "heads": heads, "times_ms": {},
            "peak_gib": {}, "overhead_pct": {}, "errors": {}}
     if graphs:
-        out["timed"] = "as CUDA graphs"
+        out["timed"], out["graph_rel_diff"] = "as CUDA graphs", {}
     kept = {}  # the steps, for the interleaved rounds
     beside = WEIGHT_GRADS_BESIDE is not None
     # with the weight gradients beside, the plain block as it is without them too: a second stream that made the
@@ -841,8 +845,17 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
             torch.cuda.synchronize()
             out["peak_gib"][kind] = (torch.cuda.max_memory_allocated() - base) / 2**30  # launched: a graph's pool
             if graphs:  # is allocated once, at capture
+                launched = step.inputs[0].grad.detach().clone()
                 step = _graph_replay(step)
-            out["times_ms"][kind] = bench(step, warmup_ms=100, rep_ms=500) * 1e3
+            ms = bench(step, warmup_ms=100, rep_ms=500) * 1e3
+            if graphs:  # after the timer's runs, which would have overwritten any memory the graph reads but no
+                # longer holds: the replay's input gradient against the launched step's
+                torch.cuda.synchronize()
+                out["graph_rel_diff"][kind] = diff = _rel(step.step.inputs[0].grad, launched)
+                if not diff <= GRAPH_TOLERANCE:
+                    raise RuntimeError(f"the CUDA graph's input gradient is {diff:.2e} (relative) off the launched "
+                                       f"step's, where {GRAPH_TOLERANCE} was expected: its time is not of the same work")
+            out["times_ms"][kind] = ms
             log(f"  block C={width} {kind:20s} {out['times_ms'][kind]:8.2f} ms  peak {out['peak_gib'][kind]:.2f} GiB"
                 + ("  (CUDA graph)" if graphs else ""))
             if rounds > 1:
