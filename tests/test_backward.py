@@ -1690,7 +1690,8 @@ def test_block_rounds_with_weight_grads_beside_also_time_the_plain_block_without
     assert out["overhead_pct_rounds"]["mhc_ours_chained"]["median"] == pytest.approx(7.5)  # 10%, 5%
     o = out["overhead_pct_rounds_vs_best_plain"]
     assert set(o) == {"mhc_ours_chained"}  # rounds: the plain blocks' faster 10 then 11 ms
-    assert (o["mhc_ours_chained"]["least"], o["mhc_ours_chained"]["most"]) == pytest.approx((10.0, 100 * (12.6 / 11 - 1)))
+    least_most = (o["mhc_ours_chained"]["least"], o["mhc_ours_chained"]["most"])
+    assert least_most == pytest.approx((10.0, 100 * (12.6 / 11 - 1)))
     out = bt.bench_block(256, bench=lambda fn, **kw: 1e-2, rounds=2, log=lambda line: None)  # without: not timed
     assert bt.INLINE_RESIDUAL not in out["times_ms"] and "overhead_pct_rounds_vs_best_plain" not in out
 

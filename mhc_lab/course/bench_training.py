@@ -854,7 +854,8 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
                 out["graph_rel_diff"][kind] = diff = _rel(step.step.inputs[0].grad, launched)
                 if not diff <= GRAPH_TOLERANCE:
                     raise RuntimeError(f"the CUDA graph's input gradient is {diff:.2e} (relative) off the launched "
-                                       f"step's, where {GRAPH_TOLERANCE} was expected: its time is not of the same work")
+                                       f"step's, where {GRAPH_TOLERANCE} was expected: its time is not of the same "
+                                       "work")
             out["times_ms"][kind] = ms
             log(f"  block C={width} {kind:20s} {out['times_ms'][kind]:8.2f} ms  peak {out['peak_gib'][kind]:.2f} GiB"
                 + ("  (CUDA graph)" if graphs else ""))
@@ -1294,8 +1295,8 @@ def main(argv=None) -> int:
                         "block_kernels (the plain and the chained block's kernels, side by side),behind_gemms "
                         "(the chained site's kernels alone and behind GEMMs, at --shapes),overlap (kernel 2, the "
                         "post + projection and a copy each beside a weight-gradient GEMM on a second stream, at "
-                        "--shapes),block_zeroed (the plain block's CUDA graph on its random tensors and on zeros, at --widths),"
-                        "profile_kernels "
+                        "--shapes),block_zeroed (the plain block's CUDA graph on its random tensors and on zeros, "
+                        "at --widths),profile_kernels "
                         "(kernel 2 and the post + projection once each between cudaProfilerStart and Stop, at "
                         "--shapes, for ncu --profile-from-start off; nothing recorded)")
     parser.add_argument("--shapes", default=",".join(f"{t}x{c}" for t, c in SHAPES), help="site shapes TOKENSxC")
