@@ -390,3 +390,24 @@ def test_hot_kernels_table_renders_the_recorded_profiles_and_made_up_ones():
     assert lines[2].split() == ["one", "one", "two"] and lines[3].split() == ["run", "Y", "run", "Z", "run", "Z"]
     assert lines[4].split() == ["time", "(us)", "20", "12", "3"]
     assert next(x for x in lines if x.strip().startswith("adds")).split() == ["adds", "9", "7", "2"]
+
+
+def test_overlap_table_gives_each_kernels_hidden_share_and_saving_per_carveout():
+    """overlap_table: per run and shape, the GEMM's time per carve-out and each kernel's share hidden and ms saved;
+    on the recording, run CF's cuBLASLt carve-outs slow the GEMM and save nothing for kernel 2."""
+    from mhc_lab.course.training_lab import overlap_table
+
+    cell = {"gemm_ms": 1.0, "hidden_pct": {"k": 40.0}, "saved_ms": {"k": -0.125}}
+    results = {"overlap": {"note": "n", "run_X": {"blas": "cublaslt", "shapes": [
+        {"tokens": 8, "C": 16, "alone_ms": {"launched": {"k": 0.25}},
+         "carveouts": {"0": {"launched": cell}, "32": {"launched": {**cell, "gemm_ms": 1.5}}}}]}}}
+    lines = overlap_table(results).splitlines()
+    assert lines[0] == "run X (cublaslt), 8 x 16, launched; SMs left out of the GEMM: 0, 32"
+    assert lines[1].split() == ["the", "GEMM", "alone", "1.000", "ms", "1.500", "ms"]
+    assert lines[2].split() == ["k", "0.250", "ms", "+40%", "-0.125", "+40%", "-0.125"]
+    assert overlap_table({}) == "(no overlap runs recorded)"
+    recorded = overlap_table(training_lab.load_recorded()["results"]).splitlines()
+    start = recorded.index("run CF (cublaslt), 16384 x 2560, launched; SMs left out of the GEMM: 0, 16, 32, 64")
+    assert recorded[start + 1].split()[-2:] == ["1.852", "ms"]
+    saved = [float(v) for v in recorded[start + 2].split()[7::2]]
+    assert saved[0] == -0.065 and max(saved) < 0

@@ -1010,6 +1010,27 @@ def behind_gemms_table(results: dict | None, top: int = 5) -> str:
     return "\n".join(lines) if lines else "(no runs behind GEMMs recorded)"
 
 
+def overlap_table(results: dict | None, mode: str = "launched") -> str:
+    """The recorded kernels beside a weight-gradient GEMM on a second stream (overlap, one table per run and shape,
+    in ``mode``): the GEMM's time per carve-out, then per kernel its time alone and, per carve-out, the share of
+    that time hidden and the milliseconds saved against the GEMM without a carve-out and the kernel in turn."""
+    lines = []
+    for run, entry in ((k, v) for k, v in ((results or {}).get("overlap") or {}).items() if k.startswith("run_")):
+        for r in entry.get("shapes") or []:
+            carves = list(r["carveouts"])
+            rows = {k: r["carveouts"][k][mode] for k in carves}
+            lines.append(f"run {run.split('_')[1]} ({entry.get('blas', '?')}), {r['tokens']} x {r['C']}, {mode}; SMs "
+                         f"left out of the GEMM: {', '.join(carves)}")
+            lines.append(f"  {'the GEMM alone':<29}" + "".join(f"{row['gemm_ms']:>12.3f} ms" for row in rows.values()))
+            for name, alone in r["alone_ms"][mode].items():
+                lines.append(f"  {name[:20]:<20}{alone:>6.3f} ms" + "".join(
+                    f"{row['hidden_pct'][name]:>+7.0f}% {row['saved_ms'][name]:>+6.3f}" for row in rows.values()))
+    if lines:
+        lines.append("  (a kernel's cells: the share of its time alone hidden beside the GEMM; ms saved against the "
+                     "GEMM without a carve-out and the kernel in turn)")
+    return "\n".join(lines) if lines else "(no overlap runs recorded)"
+
+
 HOT_KERNEL_PROFILES = ("hot_kernels_profile_run_BS", "hot_kernels_profile")  # before the last cuts, then now
 
 
