@@ -845,13 +845,14 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
             torch.cuda.synchronize()
             out["peak_gib"][kind] = (torch.cuda.max_memory_allocated() - base) / 2**30  # launched: a graph's pool
             if graphs:  # is allocated once, at capture
-                launched = step.inputs[0].grad.detach().clone()
+                h = step.inputs[0]
+                launched = h.grad.detach().clone()
                 step = _graph_replay(step)
             ms = bench(step, warmup_ms=100, rep_ms=500) * 1e3
             if graphs:  # after the timer's runs, which would have overwritten any memory the graph reads but no
                 # longer holds: the replay's input gradient against the launched step's
                 torch.cuda.synchronize()
-                out["graph_rel_diff"][kind] = diff = _rel(step.step.inputs[0].grad, launched)
+                out["graph_rel_diff"][kind] = diff = _rel(h.grad, launched)
                 if not diff <= GRAPH_TOLERANCE:
                     raise RuntimeError(f"the CUDA graph's input gradient is {diff:.2e} (relative) off the launched "
                                        f"step's, where {GRAPH_TOLERANCE} was expected: its time is not of the same "
@@ -876,25 +877,25 @@ def bench_block(width, bench, *, batch=4, seq=4096, skip=(), log=print, rounds: 
         out["rounds_ms"] = interleaved_rounds(kept, lambda fn: bench(fn, warmup_ms=100, rep_ms=500), rounds)
         kept.clear()
         torch.cuda.empty_cache()
-        out["overhead_pct_rounds"] = {}
-        for kind in (k for k in out["rounds_ms"] if k != "residual"):
-            ratio = round_ratios(out["rounds_ms"], ours=kind, base="residual")
-            if ratio:
-                out["overhead_pct_rounds"][kind] = {k: 100 * (v - 1) for k, v in ratio.items() if k != "ratios"}
-                o = out["overhead_pct_rounds"][kind]
-                log(f"  block C={width} {kind:20s} over {rounds} interleaved rounds: median {o['median']:+.1f}% "
-                    f"({o['least']:+.1f}% to {o['most']:+.1f}%)")
-        if INLINE_RESIDUAL in out["rounds_ms"]:
-            # each kind against the faster of the two plain blocks, round by round
-            best = {"best_plain": [min(a, b) for a, b in zip(out["rounds_ms"]["residual"],
-                                                             out["rounds_ms"][INLINE_RESIDUAL])]}
-            out["overhead_pct_rounds_vs_best_plain"] = {}
-            for kind in (k for k in out["rounds_ms"] if k not in ("residual", INLINE_RESIDUAL)):
-                ratio = round_ratios({**best, kind: out["rounds_ms"][kind]}, ours=kind, base="best_plain")
-                o = out["overhead_pct_rounds_vs_best_plain"][kind] = {
-                    k: 100 * (v - 1) for k, v in ratio.items() if k != "ratios"}
-                log(f"  block C={width} {kind:20s} against the faster plain block per round: median "
-                    f"{o['median']:+.1f}% ({o['least']:+.1f}% to {o['most']:+.1f}%)")
+        rounds_ms = out["rounds_ms"]
+
+        def overheads(base_ms, kinds, against):  # each kind's overhead over base_ms, taken round by round
+            found = {}
+            for kind in kinds:
+                ratio = round_ratios({"_base": base_ms, kind: rounds_ms[kind]}, ours=kind, base="_base")
+                if ratio:
+                    o = found[kind] = {k: 100 * (v - 1) for k, v in ratio.items() if k != "ratios"}
+                    log(f"  block C={width} {kind:20s} {against}: median {o['median']:+.1f}% "
+                        f"({o['least']:+.1f}% to {o['most']:+.1f}%)")
+            return found
+
+        out["overhead_pct_rounds"] = overheads(rounds_ms.get("residual"), [k for k in rounds_ms if k != "residual"],
+                                               f"over {rounds} interleaved rounds")
+        if INLINE_RESIDUAL in rounds_ms:  # each kind against the faster of the two plain blocks, round by round
+            best = [min(a, b) for a, b in zip(rounds_ms["residual"], rounds_ms[INLINE_RESIDUAL])]
+            out["overhead_pct_rounds_vs_best_plain"] = overheads(
+                best, [k for k in rounds_ms if k not in ("residual", INLINE_RESIDUAL)],
+                "against the faster plain block per round")
     return out
 
 
