@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 course: install
-	$(PY) -m mhc_lab.course.cli run --size $(SIZE) --device $(DEVICE) --out build/course
+	$(PY) -m mhc_lab.classroom.cli run --size $(SIZE) --device $(DEVICE) --out build/course
 
 test: install browser
 	MHC_LAB_BROWSER_TEST=required MHC_LAB_CHROMIUM=$(CHROMIUM) $(PY) -m pytest
@@ -43,10 +43,10 @@ lab: install
 	$(VENV)/bin/jupyter lab labs/
 
 labs: install
-	$(PY) -m mhc_lab.course.cli build
+	$(PY) -m mhc_lab.classroom.cli build
 
 solutions: install
-	$(PY) -m mhc_lab.course.cli refresh-solutions
+	$(PY) -m mhc_lab.classroom.cli refresh-solutions
 
 bench: install
 	$(PY) -m mhc_lab.bench all

@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mhc_lab.course.notebook_build import (
+from mhc_lab.classroom.notebook_build import (
     LABS_DIR,
     SOLUTIONS_DIR,
     MarkerError,

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mhc_lab.course import bytes_model
-from mhc_lab.course.bytes_model import Elements
+from mhc_lab.measure import bytes_model
+from mhc_lab.measure.bytes_model import Elements
 
 NS = (1, 2, 4, 8)
 WIDTHS = (1, 7, 2560, 4096)
@@ -165,7 +165,7 @@ def test_site_bytes_count_the_post_gradient_path(n):
     """The training benchmark's bytes per site: at n = 4 the least design 41C, ours 58C, the linked site 50C and
     the chained one 46C per token; with the post's output gradient handed to the pre (post_grad) the post's
     backward writes no dx, n C fewer for the linked and chained sites only."""
-    from mhc_lab.course.bench_training import site_bytes_fwd_bwd
+    from mhc_lab.bench.training import site_bytes_fwd_bwd
 
     tokens, C = 3, 40
     plain, handed = site_bytes_fwd_bwd(tokens, C, n), site_bytes_fwd_bwd(tokens, C, n, post_grad=True)

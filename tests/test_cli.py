@@ -12,17 +12,17 @@ import nbformat
 import pytest
 import torch
 
-from mhc_lab.course import doctor
-from mhc_lab.course.cli import main
-from mhc_lab.course.grading import notebook_parameters
-from mhc_lab.course.notebook_build import LABS_DIR, ROOT, SOLUTIONS_DIR, solution_notebooks
-from mhc_lab.course.variants import assign, make_handout, parse_choices, student_of
+from mhc_lab.classroom import doctor
+from mhc_lab.classroom.cli import main
+from mhc_lab.classroom.notebook_build import notebook_parameters
+from mhc_lab.classroom.notebook_build import LABS_DIR, ROOT, SOLUTIONS_DIR, solution_notebooks
+from mhc_lab.classroom.variants import assign, make_handout, parse_choices, student_of
 
 SOLUTIONS = solution_notebooks(SOLUTIONS_DIR)
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "mhc_lab.course.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mhc_lab.classroom.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from mhc_lab.course import checks
 from mhc_lab.course.checks import all_exercises, expect_number, register
-from mhc_lab.course.grading import (
+from mhc_lab.classroom.grading import (
     HIDDEN_DIR,
     format_report,
     grade_answer,
@@ -29,7 +29,7 @@ from mhc_lab.course.grading import (
     load_hidden,
     notebook_parameters,
 )
-from mhc_lab.course.notebook_build import LABS_DIR, ROOT, SOLUTIONS_DIR, exercise_regions, solution_notebooks
+from mhc_lab.classroom.notebook_build import LABS_DIR, ROOT, SOLUTIONS_DIR, exercise_regions, solution_notebooks
 from mhc_lab.course.setup import setup
 
 EXERCISES = all_exercises()

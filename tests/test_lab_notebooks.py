@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from mhc_lab.course.notebook_build import LABS_DIR, SOLUTIONS_DIR, exercise_regions, solution_notebooks
-from mhc_lab.course.runner import execute_allowing_errors
+from mhc_lab.classroom.notebook_build import LABS_DIR, SOLUTIONS_DIR, exercise_regions, solution_notebooks
+from mhc_lab.classroom.runner import execute_allowing_errors
 
 SOLUTIONS = solution_notebooks(SOLUTIONS_DIR)
 STUB_ERRORS = ("NotImplementedError", "ExerciseIncomplete")

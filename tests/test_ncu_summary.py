@@ -1,4 +1,4 @@
-"""The summary of Nsight Compute's CSV exports (mhc_lab.course.ncu_summary), on small exports written here in
+"""The summary of Nsight Compute's CSV exports (mhc_lab.bench.ncu_summary), on small exports written here in
 ncu's layout, and its instruction classes on SASS lines as ptxas writes them."""
 
 import csv
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mhc_lab.course import ncu_summary
+from mhc_lab.bench import ncu_summary
 
 CONV, ARITH, ADDR = "bf16 conversions", "arithmetic (FFMA, FMUL, FADD)", "addresses, barriers, control"
 

@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from mhc_lab.course import bench_memory_wall, bytes_model, naive_layers, profiling
+from mhc_lab.bench import memory_wall as bench_memory_wall
+from mhc_lab.measure import bytes_model, profiling
+from mhc_lab.models import naive_layers
 from mhc_lab.reference import sinkhorn_deepseek_v4
 
 

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from mhc_lab.course import sass_counts
-from mhc_lab.course.ncu_summary import SASS_CLASSES
+from mhc_lab.bench import sass_counts
+from mhc_lab.bench.ncu_summary import SASS_CLASSES
 from mhc_lab.kernels._target import nvcc_path
 
 LISTING = """

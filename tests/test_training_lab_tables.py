@@ -227,7 +227,7 @@ def test_joined_h200_table_sets_each_variant_against_the_two_kernels_apart():
 def test_compare_kernel_times_splits_shared_and_own_kernels():
     """The block breakdown's arithmetic on made-up kernel times: totals, the shared kernels' times on each side,
     each side's own, the largest differences (other less base) and other's largest own kernels, in order."""
-    from mhc_lab.course.bench_training import compare_kernel_times
+    from mhc_lab.bench.training import compare_kernel_times
 
     base = {"gemm": 10.0, "attention": 6.0, "add": 0.5}
     other = {"gemm": 10.4, "attention": 5.9, "mhc_post": 0.8, "mhc_pre": 1.1}
@@ -243,14 +243,14 @@ def test_compare_kernel_times_splits_shared_and_own_kernels():
 
 
 def test_kernel_totals_sums_every_kernels_time_and_launches():
-    from mhc_lab.course.bench_training import kernel_totals
+    from mhc_lab.bench.training import kernel_totals
 
     assert kernel_totals({"gemm": (10.0, 4.0), "add": (0.5, 11.0)}) == (10.5, 15.0)
     assert kernel_totals({}) == (0, 0)
 
 
 def _made_up_comparison(base: dict, other: dict) -> dict:
-    from mhc_lab.course.bench_training import compare_kernel_times
+    from mhc_lab.bench.training import compare_kernel_times
 
     return compare_kernel_times(base, other, top=16)
 
@@ -293,7 +293,7 @@ def test_block_breakdown_table_sets_the_blocks_and_the_connections_alone_side_by
 def test_floor_kernels_table_puts_each_own_kernel_against_its_bytes_at_the_copies_pace():
     """The copy floor's copies give the pace in the block; each of the chained block's own kernels (those the plain
     block does not launch) is set against its lane-wide bytes at that pace, the small ones against none."""
-    from mhc_lab.course import bytes_model
+    from mhc_lab.measure import bytes_model
     from mhc_lab.course.training_lab import CHAINED_KERNEL_ELEMENTS, COPY_KERNEL, floor_kernels_table
 
     C, tokens = 100, 1000

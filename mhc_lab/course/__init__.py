@@ -1,1 +1,2 @@
-"""Course tools: checks, hints, measuring, recorded results, widgets, data, training, notebook build, CLI."""
+"""What the labs use: each lab's set-up, checks and hints, exercises, probes, widgets, data, training loops and
+the helpers that show measured and recorded figures."""

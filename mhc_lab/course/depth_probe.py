@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mhc_lab.course.data import two_spirals
-from mhc_lab.course.models import DeepStack
+from mhc_lab.models import DeepStack
 from mhc_lab.reference import residual_step
 from mhc_lab.reference.validate import InputError, require_tensor
 

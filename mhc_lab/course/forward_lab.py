@@ -20,9 +20,9 @@ import math
 import tilelang.language as T
 import torch
 
-from mhc_lab.course import bytes_model
-from mhc_lab.course.measure import recorded_or_none, recording_label  # noqa: F401 (labs use recording_label)
-from mhc_lab.course.roofline import Roof
+from mhc_lab.measure import bytes_model
+from mhc_lab.measure import recorded_or_none, recording_label  # noqa: F401 (labs use recording_label)
+from mhc_lab.measure.roofline import Roof
 from mhc_lab.kernels.post import post_bytes
 from mhc_lab.kernels.post_project import LEAVE_OUT_STEPS
 from mhc_lab.reference import MHCCoefficients, sinkhorn
@@ -219,9 +219,9 @@ def recorded_roof(recording: dict) -> Roof:
 
 
 def measure_live(shapes, *, compile: bool, repeat_ms: int = 100, log=print) -> dict:
-    """The benchmark's own functions (mhc_lab.course.bench_forward) on this CUDA GPU, for ``shapes``
+    """The benchmark's own functions (mhc_lab.bench.forward) on this CUDA GPU, for ``shapes``
     [(tokens, C), ...]: a dict like a recording's results (copy_gbps, shapes), plus the device name."""
-    from mhc_lab.course import bench_forward
+    from mhc_lab.bench import forward as bench_forward
 
     timer, timer_name = bench_forward._timer()
 
@@ -536,7 +536,7 @@ def fused_against_reference(tokens: int, n: int, C: int, seed: int = 0, tol: flo
 def cpu_site_seconds(tokens: int, n: int, C: int, repeat: int, seed: int = 0) -> dict:
     """One site (F = identity) on this CPU, float32, one thread: the library's fused kernels (TileLang C target)
     and the eager reference, median seconds each; checked against each other first."""
-    from mhc_lab.course.measure import time_fn
+    from mhc_lab.measure import time_fn
     from mhc_lab.ops import mhc_post_fused, mhc_pre_fused
     from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
 

@@ -62,7 +62,7 @@ def single_gain(layers: torch.Tensor) -> Gain:
 def site_matrices(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
     """Every connection site's H_res for the tokens ``idx`` [B, T]: [sites, B, T, n, n] in float64.
 
-    ``model`` is a mhc_lab.course.models.TinyLM with connection "hc" or "mhc" (its forward collects them).
+    ``model`` is a mhc_lab.models.TinyLM with connection "hc" or "mhc" (its forward collects them).
     """
     was_training = model.training
     model.eval()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mhc_lab.course.measure import resolve_device
+from mhc_lab.measure import resolve_device
 
 SIZES = ("small", "full")
 

@@ -28,11 +28,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mhc_lab.course import bytes_model
-from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
+from mhc_lab.measure import bytes_model
+from mhc_lab.measure import (  # noqa: F401 (labs use recording_label)
     recorded_or_none, recording_label, synchronize, time_fn,
 )
-from mhc_lab.course.models import MLP, CausalSelfAttention
+from mhc_lab.models import MLP, CausalSelfAttention
 from mhc_lab.reference.recompute import memory_without_recompute, optimal_block, recompute_memory
 from mhc_lab.ops.training import LANE_TUNABLE, MHCResidualStream
 
@@ -234,7 +234,7 @@ def bytes_table(n: int, C: int, itemsize: int = 2) -> str:
 
 def designs_table(n: int) -> str:
     """Lane-wide elements per token of one site, forward and backward, for this course's three ways of running
-    the kernels and for the least design (mhc_lab.course.bytes_model)."""
+    the kernels and for the least design (mhc_lab.measure.bytes_model)."""
     width = 58
     lines = [f"{'design':<{width}}{'forward':>9}{'backward':>10}{'total':>8}"]
 
@@ -961,7 +961,7 @@ def floor_kernels_table(results: dict | None, run: str = "CC") -> str:
     --block-kernels-kinds copy_floor,mhc_ours_chained): per width the floor's copies (their pace in the block),
     then each of the chained block's own kernels: time per step, launches, the lane-wide elements per token it
     moves (CHAINED_KERNEL_ELEMENTS; none for the small ones), that many bytes at the copies' pace, and the rest."""
-    from mhc_lab.course.bench_training import copy_floor_counts, copy_floor_plan
+    from mhc_lab.bench.training import copy_floor_counts, copy_floor_plan
 
     entries = ((results or {}).get("block_kernels") or {}).get(run) or []
     by_width: dict = {}
@@ -1094,13 +1094,13 @@ def block_figure(results: dict, label: str):
 
 def measure_live(site_shapes: Sequence[tuple[int, int]], block_widths: Sequence[int], *, compile: bool = False,
                  repeat_ms: int = 100, log=print) -> dict:
-    """The training benchmark's own functions (mhc_lab.course.bench_training) on this CUDA GPU: one site for each
+    """The training benchmark's own functions (mhc_lab.bench.training) on this CUDA GPU: one site for each
     (tokens, C) in ``site_shapes``, one transformer block for each width, each timed for about ``repeat_ms``.
     torch.compile only with ``compile`` (minutes of compiling per shape; the recording has it). A dict like a
     recording's results, plus the device."""
     import importlib.util
 
-    from mhc_lab.course import bench_forward, bench_training
+    from mhc_lab.bench import forward as bench_forward, training as bench_training
 
     timer, timer_name = bench_forward._timer()
 

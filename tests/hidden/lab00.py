@@ -4,9 +4,9 @@ integer inputs (a `//` where `/` belongs), vector-shaped matmuls, one-byte eleme
 import torch
 
 from mhc_lab.course.checks import CheckFailed, call, expect_number
-from mhc_lab.course.grading import hidden
-from mhc_lab.course.measure import gigabytes_per_second
-from mhc_lab.course.roofline import copy_bytes, matmul_intensity
+from mhc_lab.classroom.grading import hidden
+from mhc_lab.measure import gigabytes_per_second
+from mhc_lab.measure.roofline import copy_bytes, matmul_intensity
 
 
 def _whole(got, case: str) -> None:

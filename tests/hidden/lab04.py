@@ -1,9 +1,9 @@
 """Hidden checks for lab 04 (used by `mhc-lab grade`, never shown in a lab): one lane and thirty-two, widths of
 one and 7168, one token, one-byte elements, one and fifty Sinkhorn iterations."""
 
-from mhc_lab.course import bytes_model, profiling
+from mhc_lab.measure import bytes_model, profiling
 from mhc_lab.course.checks import call, expect_number
-from mhc_lab.course.grading import hidden
+from mhc_lab.classroom.grading import hidden
 
 SHAPES = [(1, 1), (1, 4096), (2, 7), (16, 7168), (32, 128)]
 

@@ -1,9 +1,9 @@
 """Hidden checks for lab 05 (used by `mhc-lab grade`, never shown in a lab): byte counts of one row, one
 column and DeepSeek-V4-sized rows; bandwidth fractions above and far below the roof."""
 
-from mhc_lab.course.bench_tilelang import fraction_of_copy_roof
+from mhc_lab.bench.tilelang import fraction_of_copy_roof
 from mhc_lab.course.checks import CheckFailed, call, expect_number
-from mhc_lab.course.grading import hidden
+from mhc_lab.classroom.grading import hidden
 from mhc_lab.kernels.rmsnorm import rmsnorm_bytes
 
 

@@ -7,8 +7,8 @@ import torch
 from mhc_lab.course.checks import Mistake, call, expect_number, register
 
 
-from mhc_lab.course.measure import gigabytes_per_second
-from mhc_lab.course.roofline import copy_bytes as bytes_moved_by_copy, matmul_intensity
+from mhc_lab.measure import gigabytes_per_second
+from mhc_lab.measure.roofline import copy_bytes as bytes_moved_by_copy, matmul_intensity
 
 
 _COPY_CASES = [(1000, torch.float32), (4096 * 4, torch.bfloat16), (7, torch.float64), (123_457, torch.float16)]

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from mhc_lab.course import bytes_model, profiling
+from mhc_lab.measure import bytes_model, profiling
 from mhc_lab.course.checks import Mistake, call, expect_number, register
 from mhc_lab.reference import sinkhorn_deepseek_v4
 

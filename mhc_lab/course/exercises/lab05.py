@@ -11,7 +11,7 @@ from __future__ import annotations
 import tilelang.language as T
 import torch
 
-from mhc_lab.course.bench_tilelang import fraction_of_copy_roof
+from mhc_lab.bench.tilelang import fraction_of_copy_roof
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, expect_number, randn, register
 from mhc_lab.course.tile_checks import compile_learner_program
 from mhc_lab.kernels.elementwise import residual_add_program

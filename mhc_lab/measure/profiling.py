@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mhc_lab.course.measure import synchronize, time_fn
+from mhc_lab.measure import synchronize, time_fn
 
 GROUPS = ("matmul", "reduction", "elementwise", "copy / cast", "compiled (fused)", "other")
 

@@ -8,7 +8,7 @@ Each kernel is built by TileLang for sm_90 (its CUDA source; needs nvcc), compil
 sm_90a and disassembled by cuobjdump (which calls nvdisasm). The two come with the CUDA toolkit, or from PyPI as
 nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm (the test extras install them). Counted over the whole kernel,
 every warp role's code together: the instruction total, wgmma (HGMMA), the moves into uniform registers that
-feed wgmma's descriptors (R2UR), and the classes of ncu-summary (mhc_lab.course.ncu_summary.SASS_CLASSES). Nsight
+feed wgmma's descriptors (R2UR), and the classes of ncu-summary (mhc_lab.bench.ncu_summary.SASS_CLASSES). Nsight
 Compute counts what runs per tile; these count what the compiler emitted, so a change to how a kernel is
 written can be weighed before it meets a GPU.
 """
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mhc_lab.course.ncu_summary import SASS_CLASSES, sass_class
+from mhc_lab.bench.ncu_summary import SASS_CLASSES, sass_class
 
 KERNELS = ("lanes", "post_project")
 N, C = 4, 4096

@@ -75,33 +75,33 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "doctor":
-        from mhc_lab.course import doctor
+        from mhc_lab.classroom import doctor
 
         info = doctor.report(run_tilelang=not args.no_tilelang)
         print(json.dumps(info, indent=2) if args.json else doctor.format_report(info, cells=args.cells), end="")
         return 0
     if args.command == "build":
-        from mhc_lab.course.notebook_build import build_all
+        from mhc_lab.classroom.notebook_build import build_all
 
         for path in build_all():
             print(f"wrote {path}")
         return 0
     if args.command == "run":
-        from mhc_lab.course.runner import run_course
+        from mhc_lab.classroom.runner import run_course
 
         return 1 if run_course(args.out, size=args.size, device=args.device, names=args.names) else 0
     if args.command == "refresh-solutions":
-        from mhc_lab.course.runner import refresh_solutions
+        from mhc_lab.classroom.runner import refresh_solutions
 
         refresh_solutions(args.names)
-        from mhc_lab.course.notebook_build import build_all
+        from mhc_lab.classroom.notebook_build import build_all
 
         build_all()
         return 0
     if args.command == "grade":
         return _grade(args)
     if args.command == "variants":
-        from mhc_lab.course.variants import make_handout, parse_choices, read_roster
+        from mhc_lab.classroom.variants import make_handout, parse_choices, read_roster
 
         students = read_roster(args.roster) if args.roster else args.students
         manifest = make_handout(args.notebook, students, args.out, secret=args.secret,
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grade(args) -> int:
-    from mhc_lab.course.grading import HIDDEN_DIR, format_report, grade_paths
-    from mhc_lab.course.variants import parse_parameters
+    from mhc_lab.classroom.grading import HIDDEN_DIR, format_report, grade_paths
+    from mhc_lab.classroom.variants import parse_parameters
 
     hidden = None if args.no_hidden else (args.hidden or HIDDEN_DIR)
     if hidden is not None and not Path(hidden).is_dir():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nbformat
 
-from mhc_lab.course.notebook_build import SOLUTIONS_DIR, solution_notebooks
+from mhc_lab.classroom.notebook_build import SOLUTIONS_DIR, solution_notebooks
 
 PASSED = re.compile(r"^Exercise (\d+\.\d+) \(.*\): passed", re.M)
 
@@ -74,7 +74,7 @@ def run_course(out: Path, size: str = "small", device: str = "auto", names: list
         print(f"  {state} in {result['seconds']} s, exercises passed: {', '.join(result['passed']) or 'none'}")
         if not result["ok"]:
             print(f"  {result['failure'] or result['errors']}")
-    from mhc_lab.course.measure import environment_tags
+    from mhc_lab.measure import environment_tags
 
     env = environment_tags()
     lines = [

@@ -1,7 +1,7 @@
 """Benchmark of one mHC site's forward (pre + post, layer F = identity) on a CUDA GPU.
 
-    python -m mhc_lab.course.bench_forward                  # all three shapes, all baselines, records JSON
-    python -m mhc_lab.course.bench_forward --shapes 16384x4096 --skip eager,compile --no-save
+    python -m mhc_lab.bench.forward                  # all three shapes, all baselines, records JSON
+    python -m mhc_lab.bench.forward --shapes 16384x4096 --skip eager,compile --no-save
 
 For each shape (tokens x C, n = 4, bf16 lanes, float32 coefficients) it times, as medians of CUDA-event
 timings: the eager reference (mhc_lab.reference), torch.compile of it, DeepSeek's TileKernels forward
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from mhc_lab.course.measure import save_recording
+from mhc_lab.measure import save_recording
 from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
 
 SHAPES = ((16384, 2560), (16384, 4096), (8192, 7168))
@@ -46,12 +46,12 @@ def _timer():
 
         return bench, "triton.testing.do_bench (median, L2 flushed between runs)"
     except Exception:  # noqa: BLE001 - no triton: CUDA events through measure.time_fn
-        from mhc_lab.course.measure import time_fn
+        from mhc_lab.measure import time_fn
 
         def bench(fn, warmup_ms=25, rep_ms=100):
             return time_fn(fn, warmup=3, repeat=20)["median_s"]
 
-        return bench, "mhc_lab.course.measure.time_fn (median of CUDA events)"
+        return bench, "mhc_lab.measure.time_fn (median of CUDA events)"
 
 
 def copy_bandwidth(bench, nbytes: int = 2 << 30) -> float:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from mhc_lab.course import bytes_model
+from mhc_lab.measure import bytes_model
 from mhc_lab.reference import HyperConnection, ManifoldHyperConnection
 
 LAYERS = ("residual", "hc", "mhc")

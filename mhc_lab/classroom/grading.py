@@ -47,10 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mhc_lab.course.notebook_build import ROOT, SOLUTIONS_DIR, solution_notebooks
+from mhc_lab.classroom.notebook_build import (
+    CHECK_CALL,
+    ROOT,
+    SOLUTIONS_DIR,
+    identify_lab,
+    notebook_parameters,
+    solution_notebooks,
+)
 
 HIDDEN_DIR = ROOT / "tests" / "hidden"
-CHECK_CALL = re.compile(r"""^[ \t]*check\(\s*["'](\d+\.\d+)["']\s*,\s*([A-Za-z_]\w*)\s*\)""", re.M)
 MARKER = "<<mhc-lab-grade>>"
 GRADING_TAG = "mhc-lab-grading"
 DEFAULT_PARAMETERS = {"SIZE": "small", "DEVICE": "cpu"}  # grading is about answers: small and on the CPU
@@ -461,44 +467,6 @@ def lab_exercises(solution: Path) -> list[tuple[str, str]]:
     return list(found.items())
 
 
-def identify_lab(nb, path: Path, solutions_dir: Path = SOLUTIONS_DIR) -> Path | None:
-    """The solution notebook a submission belongs to: by its check cells' exercise numbers, else its metadata,
-    else a ``NN_`` in its file name."""
-    labs = {int(p.name[:2]): p for p in solution_notebooks(solutions_dir)}
-    numbers = [int(exercise_id.split(".")[0]) for cell in nb.cells if cell.cell_type == "code"
-               for exercise_id, _ in CHECK_CALL.findall(cell.source)]
-    if numbers:
-        number = max(set(numbers), key=numbers.count)
-        if number in labs:
-            return labs[number]
-    name = (nb.metadata.get("mhc_lab") or {}).get("lab")
-    if name and (Path(solutions_dir) / name).exists():
-        return Path(solutions_dir) / name
-    match = re.search(r"(?:^|[^0-9])(\d\d)_", path.name)
-    if match and int(match.group(1)) in labs:
-        return labs[int(match.group(1))]
-    return None
-
-
-def notebook_parameters(nb, tags=("parameters", "injected-parameters")) -> dict:
-    """Literal values assigned in a notebook's parameters cell, overridden by a papermill-injected cell."""
-    values = {}
-    for tag in tags:
-        for cell in nb.cells:
-            if cell.cell_type == "code" and tag in cell.metadata.get("tags", []):
-                try:
-                    tree = ast.parse(cell.source)
-                except SyntaxError:
-                    continue
-                for node in tree.body:
-                    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-                        try:
-                            values[node.targets[0].id] = ast.literal_eval(node.value)
-                        except ValueError:
-                            pass
-    return values
-
-
 # ---- the worker: one submission, one kernel -----------------------------------------------------------------
 
 
@@ -532,7 +500,7 @@ def _worker(job: dict) -> dict:
                     and any(found in ids for found, _ in CHECK_CALL.findall(c.source))), default=None)
         if last is not None:
             nb.cells = nb.cells[: last + 1]
-    code = (f"from mhc_lab.course.grading import grade_in_kernel as _mhc_grade\n"
+    code = (f"from mhc_lab.classroom.grading import grade_in_kernel as _mhc_grade\n"
             f"_mhc_grade({json.dumps(job['exercises'])}, {json.dumps(job['hidden_dir'])}, {job['check_timeout']!r})")
     nb.cells.append(nbformat.v4.new_code_cell(code, metadata={"tags": [GRADING_TAG]}))
     grading_index = len(nb.cells) - 1
@@ -688,7 +656,7 @@ def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: 
     if not job["executed"].endswith(".ipynb"):
         job["executed"] += ".ipynb"
     (scratch / "job.json").write_text(json.dumps(job))
-    worker = subprocess.Popen([sys.executable, "-m", "mhc_lab.course.grading", "--worker", str(scratch / "job.json")],
+    worker = subprocess.Popen([sys.executable, "-m", "mhc_lab.classroom.grading", "--worker", str(scratch / "job.json")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         log, _ = worker.communicate(timeout=timeout)
@@ -751,7 +719,7 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
     hidden = Path(hidden_dir) if hidden_dir and Path(hidden_dir).is_dir() else None
     manifest = None
     if variants:
-        from mhc_lab.course.variants import read_manifest
+        from mhc_lab.classroom.variants import read_manifest
 
         manifest = read_manifest(variants)
 
@@ -759,7 +727,7 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
         chosen = {**DEFAULT_PARAMETERS, **(parameters or {})}
         assigned = None
         if manifest is not None:
-            from mhc_lab.course.variants import assigned_variant
+            from mhc_lab.classroom.variants import assigned_variant
 
             assigned = assigned_variant(manifest, submission)
             if assigned is not None:
@@ -841,8 +809,6 @@ def format_report(report: dict, details: bool = True) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        sys.exit(_worker_main(sys.argv[2]))
-    from mhc_lab.course.cli import main
-
-    sys.exit(main(["grade", *sys.argv[1:]]))
+    if len(sys.argv) != 3 or sys.argv[1] != "--worker":
+        sys.exit("usage: python -m mhc_lab.classroom.grading --worker JOB (graders run `mhc-lab grade`)")
+    sys.exit(_worker_main(sys.argv[2]))

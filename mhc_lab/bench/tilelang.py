@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
+from mhc_lab.measure import (  # noqa: F401 (labs use recording_label)
     recorded_or_none, recording_label, resolve_device, save_recording, time_fn,
 )
 from mhc_lab.kernels import elementwise, rmsnorm

@@ -16,13 +16,13 @@ import importlib
 import sys
 
 SUITES = {
-    "memory-wall": "mhc_lab.course.bench_memory_wall",
-    "tilelang": "mhc_lab.course.bench_tilelang",
-    "forward": "mhc_lab.course.bench_forward",
-    "training": "mhc_lab.course.bench_training",
-    "warm": "mhc_lab.course.bench_warm",
-    "ncu-summary": "mhc_lab.course.ncu_summary",
-    "sass-counts": "mhc_lab.course.sass_counts",
+    "memory-wall": "mhc_lab.bench.memory_wall",
+    "tilelang": "mhc_lab.bench.tilelang",
+    "forward": "mhc_lab.bench.forward",
+    "training": "mhc_lab.bench.training",
+    "warm": "mhc_lab.bench.warm",
+    "ncu-summary": "mhc_lab.bench.ncu_summary",
+    "sass-counts": "mhc_lab.bench.sass_counts",
 }
 MEASURING = ("memory-wall", "tilelang", "forward", "training")  # what "all" runs
 
@@ -41,6 +41,3 @@ def main(argv: list[str] | None = None) -> int:
         status |= int(module.main(rest) or 0)
     return status
 
-
-if __name__ == "__main__":
-    sys.exit(main())

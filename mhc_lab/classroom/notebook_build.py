@@ -12,6 +12,7 @@ marker's indentation, keeps every other line of every cell as it is, and strips 
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 from dataclasses import dataclass
@@ -125,3 +126,45 @@ def build_all(solutions_dir: Path = SOLUTIONS_DIR, labs_dir: Path = LABS_DIR,
 
 def exercise_regions(path: Path) -> list[SolutionRegion]:
     return build_lab(nbformat.read(path, as_version=4), name=Path(path).name)[1]
+
+
+# a check cell's call: check("k.m", function_name)
+CHECK_CALL = re.compile(r"""^[ \t]*check\(\s*["'](\d+\.\d+)["']\s*,\s*([A-Za-z_]\w*)\s*\)""", re.M)
+
+
+def identify_lab(nb, path: Path, solutions_dir: Path = SOLUTIONS_DIR) -> Path | None:
+    """The solution notebook a submission belongs to: by its check cells' exercise numbers, else its metadata,
+    else a ``NN_`` in its file name."""
+    labs = {int(p.name[:2]): p for p in solution_notebooks(solutions_dir)}
+    numbers = [int(exercise_id.split(".")[0]) for cell in nb.cells if cell.cell_type == "code"
+               for exercise_id, _ in CHECK_CALL.findall(cell.source)]
+    if numbers:
+        number = max(set(numbers), key=numbers.count)
+        if number in labs:
+            return labs[number]
+    name = (nb.metadata.get("mhc_lab") or {}).get("lab")
+    if name and (Path(solutions_dir) / name).exists():
+        return Path(solutions_dir) / name
+    match = re.search(r"(?:^|[^0-9])(\d\d)_", path.name)
+    if match and int(match.group(1)) in labs:
+        return labs[int(match.group(1))]
+    return None
+
+
+def notebook_parameters(nb, tags=("parameters", "injected-parameters")) -> dict:
+    """Literal values assigned in a notebook's parameters cell, overridden by a papermill-injected cell."""
+    values = {}
+    for tag in tags:
+        for cell in nb.cells:
+            if cell.cell_type == "code" and tag in cell.metadata.get("tags", []):
+                try:
+                    tree = ast.parse(cell.source)
+                except SyntaxError:
+                    continue
+                for node in tree.body:
+                    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                        try:
+                            values[node.targets[0].id] = ast.literal_eval(node.value)
+                        except ValueError:
+                            pass
+    return values

@@ -76,7 +76,7 @@ def read_roster(path: Path | str) -> list[str]:
 
 
 def _parameter_names(nb) -> set[str]:
-    from mhc_lab.course.grading import notebook_parameters
+    from mhc_lab.classroom.notebook_build import notebook_parameters
 
     return set(notebook_parameters(nb, tags=("parameters",)))
 
@@ -139,7 +139,7 @@ def assigned_variant(manifest: dict, submission: Path) -> dict | None:
     """{"student", "parameters"} the manifest assigned to this submission's author for its lab, or None."""
     import nbformat
 
-    from mhc_lab.course.grading import identify_lab
+    from mhc_lab.classroom.notebook_build import identify_lab
 
     try:
         nb = nbformat.read(submission, as_version=4)

@@ -53,9 +53,9 @@ import time
 import torch
 from torch import nn
 
-from mhc_lab.course import bytes_model
-from mhc_lab.course.bench_forward import _inputs, _rel, _tilekernels, _timer, copy_bandwidth, hashable_tuning
-from mhc_lab.course.measure import save_recording
+from mhc_lab.measure import bytes_model
+from mhc_lab.bench.forward import _inputs, _rel, _tilekernels, _timer, copy_bandwidth, hashable_tuning
+from mhc_lab.measure import save_recording
 from mhc_lab.ops import training as _training_ops  # noqa: F401  (registers torch.ops.mhc_lab.*)
 from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
 
@@ -65,7 +65,7 @@ N = 4
 
 
 def site_bytes_fwd_bwd(tokens: int, C: int, n: int = N, itemsize: int = 2, post_grad: bool = False) -> dict:
-    """Bytes per site, forward + backward, of the lane-wide tensors (mhc_lab.course.bytes_model): the least
+    """Bytes per site, forward + backward, of the lane-wide tensors (mhc_lab.measure.bytes_model): the least
     any design moves (mhc_minimal: 41 C elements per token at n = 4) and what ours moves as separate ops
     (58 C), as the linked site (50 C) and as chained sites (46 C). post_grad (the linked and chained sites'
     post hands its output gradient to the pre's kernel 2, mhc_lab.ops.training.post_gradient_to_pre): their
@@ -680,7 +680,7 @@ class _Block(nn.Module):
 
     def __init__(self, width: int, heads: int, connection: str):
         super().__init__()
-        from mhc_lab.course.models import MLP, CausalSelfAttention, PreNorm
+        from mhc_lab.models import MLP, CausalSelfAttention, PreNorm
 
         self.connection = connection
         self.layers = nn.ModuleList([PreNorm(width, CausalSelfAttention(width, heads)), PreNorm(width, MLP(width))])

@@ -125,7 +125,7 @@ def lab_plan(on_gpu: bool, tilelang_ok: bool | None = True, solutions_dir: Path 
     """For each lab: its code cells with what each does on this machine, and a one-line summary."""
     import nbformat
 
-    from mhc_lab.course.notebook_build import SOLUTIONS_DIR, solution_notebooks
+    from mhc_lab.classroom.notebook_build import SOLUTIONS_DIR, solution_notebooks
 
     meaning = {
         "live": "runs live",
@@ -168,7 +168,7 @@ def _cells(indices: list[int]) -> str:
 
 
 def recordings() -> list[str]:
-    from mhc_lab.course.measure import RECORDED_DIR
+    from mhc_lab.measure import RECORDED_DIR
 
     return sorted(p.name for p in Path(RECORDED_DIR).glob("*.json"))
 

@@ -2,8 +2,8 @@
 (eager and torch.compile, forward and forward + backward) with their kernel launches and GB/s on the bytes
 the bytes model counts. Writes one JSON recording tagged with GPU, driver, torch, tilelang and date.
 
-    python -m mhc_lab.course.bench_memory_wall --out DIR           # on a CUDA GPU: 16384 tokens, C 2560 and 4096
-    python -m mhc_lab.course.bench_memory_wall --out DIR           # on a CPU: a small version (1024 tokens, C 256)
+    python -m mhc_lab.bench.memory_wall --out DIR           # on a CUDA GPU: 16384 tokens, C 2560 and 4096
+    python -m mhc_lab.bench.memory_wall --out DIR           # on a CPU: a small version (1024 tokens, C 256)
 
 GB/s is always counted bytes over measured time: the bytes of mHC Table 2 (unfused, bf16 lanes, float32
 coefficients) for the sites, 3C elements per token for the residual. ``fraction_of_copy`` compares that with
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from mhc_lab.course import bytes_model, profiling, roofline
-from mhc_lab.course.measure import (  # noqa: F401 (labs use recording_label)
+from mhc_lab.measure import bytes_model, profiling, roofline
+from mhc_lab.measure import (  # noqa: F401 (labs use recording_label)
     load_recording, recording_label, resolve_device, save_recording, time_fn,
 )
-from mhc_lab.course.naive_layers import make_layer
+from mhc_lab.models.naive_layers import make_layer
 
 RECORDING = "memory_wall_h200"
 _NAMES = {"residual": "residual merge", "hc": "HC site", "mhc": "mHC site"}
@@ -245,7 +245,7 @@ def comparison_figure(local: list[dict], recording: dict | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhc_lab.course.bench_memory_wall", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench.memory_wall", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--tokens", type=int, help="default: 16384 on a GPU, 1024 on a CPU")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mhc_lab.course.measure import gigabytes_per_second, time_fn
+from mhc_lab.measure import gigabytes_per_second, time_fn
 
 # Spec-sheet leads for devices we know (memory GB/s, dense bf16 TFLOP/s); measured roofs are drawn from these
 # only when nothing was measured. Source: NVIDIA H200 datasheet (SXM).

@@ -1,0 +1,5 @@
+import sys
+
+from mhc_lab.bench import main
+
+sys.exit(main())
