@@ -19,17 +19,17 @@ import torch
 
 from mhc_lab.course import checks
 from mhc_lab.course.checks import all_exercises, expect_number, register
-from mhc_lab.classroom.grading import (
-    HIDDEN_DIR,
-    format_report,
-    grade_answer,
-    grade_paths,
+from mhc_lab.classroom.grading import format_report, grade_answer, grade_paths, lab_exercises
+from mhc_lab.classroom.hidden_checks import HIDDEN_DIR, load_hidden
+from mhc_lab.classroom.notebook_build import (
+    LABS_DIR,
+    ROOT,
+    SOLUTIONS_DIR,
+    exercise_regions,
     identify_lab,
-    lab_exercises,
-    load_hidden,
     notebook_parameters,
+    solution_notebooks,
 )
-from mhc_lab.classroom.notebook_build import LABS_DIR, ROOT, SOLUTIONS_DIR, exercise_regions, solution_notebooks
 from mhc_lab.course.setup import setup
 
 EXERCISES = all_exercises()

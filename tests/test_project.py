@@ -1,7 +1,6 @@
-"""Project-level promises: the conda environment matches pyproject, layers import only downward, the README's
-commands are the ones CI and the Makefile run."""
+"""Project-level promises: the conda environment matches pyproject, the README's commands are the ones CI and the
+Makefile run (the layering has its own test, test_layering.py)."""
 
-import ast
 import re
 import tomllib
 from pathlib import Path
@@ -10,7 +9,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["reference", "kernels", "ops", "course"]  # lowest first
 
 
 def _requirement_names(requirements):
@@ -27,24 +25,6 @@ def test_environment_yml_matches_pyproject():
     assert "-e ." in pip_section
     python = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python"))
     assert python.replace("python", "") == project["requires-python"]
-
-
-def _imports(path: Path):
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-
-
-@pytest.mark.parametrize("layer", LAYERS)
-def test_lower_layers_never_import_upper_ones(layer):
-    higher = LAYERS[LAYERS.index(layer) + 1 :]
-    for path in (ROOT / "mhc_lab" / layer).rglob("*.py"):
-        for name in _imports(path):
-            for up in higher:
-                assert not name.startswith(f"mhc_lab.{up}"), f"{path.relative_to(ROOT)} imports {name}"
 
 
 def test_readme_commands_are_what_ci_and_make_run():

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grade(args) -> int:
-    from mhc_lab.classroom.grading import HIDDEN_DIR, format_report, grade_paths
+    from mhc_lab.classroom.grading import format_report, grade_paths
+    from mhc_lab.classroom.hidden_checks import HIDDEN_DIR
     from mhc_lab.classroom.variants import parse_parameters
 
     hidden = None if args.no_hidden else (args.hidden or HIDDEN_DIR)

@@ -4,7 +4,7 @@ integer inputs (a `//` where `/` belongs), vector-shaped matmuls, one-byte eleme
 import torch
 
 from mhc_lab.course.checks import CheckFailed, call, expect_number
-from mhc_lab.classroom.grading import hidden
+from mhc_lab.classroom.hidden_checks import hidden
 from mhc_lab.measure import gigabytes_per_second
 from mhc_lab.measure.roofline import copy_bytes, matmul_intensity
 

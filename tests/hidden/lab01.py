@@ -6,7 +6,7 @@ import torch
 
 from mhc_lab.course.checks import randn
 from mhc_lab.course.depth_probe import residual_stack, residual_tanh_backward, shortcut_gain, unrolled_state
-from mhc_lab.classroom.grading import hidden, same_as_reference
+from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 from mhc_lab.reference.residual import residual_step
 
 

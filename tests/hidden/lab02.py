@@ -4,7 +4,7 @@ batch dimensions, per-token coefficients, layer indices past n, float64 initiali
 import torch
 
 from mhc_lab.course.checks import CheckFailed, randn
-from mhc_lab.classroom.grading import hidden, same_as_reference
+from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes, hc_apply, hc_static_init
 from mhc_lab.reference.metrics import amax_gain, composite_product
 

@@ -5,7 +5,7 @@ import torch
 
 from mhc_lab.course.birkhoff import doubly_stochastic_gaps
 from mhc_lab.course.checks import randn
-from mhc_lab.classroom.grading import hidden, same_as_reference
+from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 from mhc_lab.reference import mhc_post, sinkhorn_deepseek_v4, sinkhorn_log_domain, sinkhorn_paper
 
 

@@ -3,7 +3,7 @@ one and 7168, one token, one-byte elements, one and fifty Sinkhorn iterations.""
 
 from mhc_lab.measure import bytes_model, profiling
 from mhc_lab.course.checks import call, expect_number
-from mhc_lab.classroom.grading import hidden
+from mhc_lab.classroom.hidden_checks import hidden
 
 SHAPES = [(1, 1), (1, 4096), (2, 7), (16, 7168), (32, 128)]
 

@@ -3,7 +3,7 @@ column and DeepSeek-V4-sized rows; bandwidth fractions above and far below the r
 
 from mhc_lab.bench.tilelang import fraction_of_copy_roof
 from mhc_lab.course.checks import CheckFailed, call, expect_number
-from mhc_lab.classroom.grading import hidden
+from mhc_lab.classroom.hidden_checks import hidden
 from mhc_lab.kernels.rmsnorm import rmsnorm_bytes
 
 

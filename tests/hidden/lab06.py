@@ -3,7 +3,7 @@ and 16 and batch dimensions; byte counts for one lane, one channel and 8-byte el
 
 from mhc_lab.course.checks import call, expect_number, randn
 from mhc_lab.course.forward_lab import PLANS, logits_norm_first, phi_bytes_per_token, site_lane_bytes
-from mhc_lab.classroom.grading import hidden, same_as_reference
+from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 
 
 @hidden("6.3", "n = 3 and 16, batch dimensions, one channel")

@@ -6,7 +6,7 @@ deep stacks, one-layer and whole-stack blocks."""
 import torch
 
 from mhc_lab.course.checks import call, expect_number, randn
-from mhc_lab.classroom.grading import hidden, same_as_reference
+from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 from mhc_lab.reference.recompute import recompute_memory
 from mhc_lab.course.training_lab import norm_scale_backward, normalize_step_backward
 from mhc_lab.reference import sinkhorn

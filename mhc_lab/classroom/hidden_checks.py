@@ -1,0 +1,286 @@
+"""Hidden checks: the checks an instructor writes for an exercise beyond the visible one (tests/hidden/labNN.py,
+never inside a lab notebook), and the generic ones every exercise gets where they apply (the visible check on fresh
+inputs, inputs left unchanged, gradients matching the reference's).
+
+    from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
+
+    @hidden("3.2", "doubly stochastic at n = 8")
+    def _(sinkhorn_answer):
+        ...
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from mhc_lab.classroom.notebook_build import ROOT
+
+HIDDEN_DIR = ROOT / "tests" / "hidden"
+
+# ---- hidden checks ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HiddenCheck:
+    exercise: str
+    name: str
+    run: Callable[[Any], object]  # raises (CheckFailed or anything) when the answer is wrong
+
+
+HIDDEN: dict[str, list[HiddenCheck]] = {}
+_LOADED: set[Path] = set()
+
+
+def hidden(exercise: str, name: str):
+    """Decorator for a hidden check in tests/hidden/labNN.py: ``@hidden("3.2", "n = 1 and 16, batch dims")``.
+    The function takes the learner's answer and raises (a CheckFailed with a plain message) when it is wrong."""
+
+    def decorate(fn):
+        HIDDEN.setdefault(exercise, []).append(HiddenCheck(exercise, name, fn))
+        return fn
+
+    return decorate
+
+
+def load_hidden(directory: Path | str | None = HIDDEN_DIR) -> dict[str, list[HiddenCheck]]:
+    """Import every ``lab*.py`` in ``directory`` once (they register with @hidden); returns the registry."""
+    if directory is None:
+        return HIDDEN
+    for path in sorted(Path(directory).glob("lab*.py")):
+        path = path.resolve()
+        if path in _LOADED:
+            continue
+        spec = importlib.util.spec_from_file_location(f"mhc_lab_hidden_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _LOADED.add(path)
+    return HIDDEN
+
+
+def same_as_reference(answer, reference, *args, case: str, name: str = "result", rel: float = 1e-9, **kwargs):
+    """Hidden-check helper: call the learner's function and the reference on the same arguments (the reference on
+    float64 copies of floating tensors, its result cast back) and compare: tensors with checks.assert_close,
+    tuples element by element, numbers with checks.expect_number. Returns ``case``."""
+    import torch
+
+    from mhc_lab.course.checks import CheckFailed, assert_close, call, expect_number
+
+    got = call(answer, *_clone(args), case=case, **_clone(kwargs))
+
+    def wide(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.detach().to(torch.float64)
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return type(v)(wide(x) for x in v)
+        return v
+
+    expected = reference(*[wide(a) for a in args], **{k: wide(v) for k, v in kwargs.items()})
+    floating = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+    dtype = floating[0].dtype if floating else None
+
+    def compare(g, e, label):
+        if isinstance(e, torch.Tensor):
+            e = e.to(dtype) if dtype is not None and e.is_floating_point() else e
+            assert_close(g, e, case=case, name=label)
+        elif isinstance(e, (tuple, list)):
+            if not isinstance(g, (tuple, list)) or len(g) != len(e):
+                raise CheckFailed(f"{case}: expected {label} to be {len(e)} values, got {type(g).__name__}")
+            for index, (gi, ei) in enumerate(zip(g, e)):
+                compare(gi, ei, f"{label}[{index}]")
+        else:
+            expect_number(g, float(e), case=case, name=label, rel=rel)
+
+    compare(got, expected, name)
+    return case
+
+
+# ---- generic hidden checks ----------------------------------------------------------------------------------
+
+
+def _tensors(value) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _clone(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def recorder(fn):
+    """``fn`` wrapped to record a copy of the arguments of every call (taken before the call)."""
+    calls: list[tuple[tuple, dict]] = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        calls.append((_clone(args), _clone(kwargs)))
+        return fn(*args, **kwargs)
+
+    return wrapper, calls
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a, b) or (a.isnan().all() and b.isnan().all())))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _float_leaves(args, kwargs):
+    """Copies of the arguments in which every top-level float32/float64 tensor requires grad; and those leaves."""
+    import torch
+
+    leaves = []
+
+    def prepare(v):
+        if isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.float64) and v.numel() > 0:
+            leaf = v.detach().clone().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf
+        return _clone(v)
+
+    return tuple(prepare(a) for a in args), {k: prepare(v) for k, v in kwargs.items()}, leaves
+
+
+def _gradients(fn, args, kwargs):
+    """Gradients of a fixed random projection of fn's tensor outputs with respect to its float tensor inputs;
+    None when the output does not depend differentiably on any input."""
+    import torch
+
+    a, k, leaves = _float_leaves(args, kwargs)
+    if not leaves:
+        return None
+    with torch.enable_grad():
+        outputs = [t for t in _tensors(fn(*a, **k)) if t.requires_grad and t.is_floating_point()]
+        if not outputs:
+            return None
+        generator = torch.Generator().manual_seed(1234)
+        loss = sum((o * torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.dtype)).sum()
+                   for o in outputs)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [None if g is None else g.detach() for g in grads]
+
+
+def _compare_gradients(answer, solution, calls, case_names) -> None:
+    import torch
+
+    from mhc_lab.course.checks import CheckFailed
+
+    for (args, kwargs), case in zip(calls, case_names):
+        expected = _gradients(solution, args, kwargs)
+        if expected is None:
+            continue
+        try:
+            got = _gradients(answer, args, kwargs)
+        except RuntimeError as error:
+            raise CheckFailed(f"{case}: backpropagating through your function failed: {error}") from None
+        if got is None:
+            raise CheckFailed(f"{case}: your result carries no gradient (the reference's does): was it detached, "
+                              "computed under torch.no_grad, through .item(), numpy or a Python float?")
+        for index, (g, e) in enumerate(zip(got, expected)):
+            if e is None:
+                continue
+            if g is None:
+                raise CheckFailed(f"{case}: no gradient reaches tensor argument {index} (the reference's does)")
+            e64, g64 = e.to(torch.float64), g.to(torch.float64)
+            rtol, atol = (1e-3, 1e-4) if e.dtype == torch.float32 else (1e-7, 1e-9)
+            atol = atol * max(1.0, float(e64.abs().max()))
+            if e64.shape != g64.shape or not torch.allclose(g64, e64, rtol=rtol, atol=atol):
+                worst = float((g64 - e64).abs().max()) if e64.shape == g64.shape else float("nan")
+                raise CheckFailed(f"{case}: the gradient with respect to tensor argument {index} differs from the "
+                                  f"reference's (largest difference {worst:.3g})")
+
+
+def generic_checks(exercise, answer, learner_calls: list | None) -> list[HiddenCheck]:
+    """The generic hidden checks that apply to this exercise (those the reference solution itself passes)."""
+    from mhc_lab.course.checks import fresh_inputs
+
+    solution = exercise.solution
+    if not (callable(answer) and callable(solution)):
+        return []
+    found = []
+    # Record the reference's calls on the visible inputs and on fresh ones.
+    wrapped, visible_calls = recorder(solution)
+    fresh_wrapped, fresh_calls = recorder(solution)
+    try:
+        exercise.checker(wrapped)
+        with fresh_inputs(1):
+            exercise.checker(fresh_wrapped)
+        fresh_ok = not _same(visible_calls, fresh_calls)
+    except Exception:
+        fresh_ok = False
+    if fresh_ok:
+        def fresh(answer):
+            with fresh_inputs(1):
+                return exercise.checker(answer)
+
+        found.append(HiddenCheck(exercise.id, "visible check on fresh random inputs", fresh))
+
+    calls = visible_calls[:4]
+    if calls and learner_calls is not None:
+        def unchanged_by(fn, args, kwargs) -> bool:
+            a, k = _clone(args), _clone(kwargs)
+            fn(*a, **k)
+            return _same(a, args) and _same(k, kwargs)
+
+        try:
+            reference_keeps_inputs = all(unchanged_by(solution, a, k) for a, k in calls)
+        except Exception:
+            reference_keeps_inputs = False
+        if reference_keeps_inputs and any(_tensors(c) for c in calls):
+            def inputs_unchanged(answer):
+                from mhc_lab.course.checks import CheckFailed
+
+                for number, (args, kwargs) in enumerate(calls[:3]):
+                    a, k = _clone(args), _clone(kwargs)
+                    answer(*a, **k)
+                    if not (_same(a, args) and _same(k, kwargs)):
+                        raise CheckFailed(f"call {number + 1} of the visible check: your function changed one of "
+                                          "its input tensors in place; work on a copy (or out-of-place ops)")
+                return ["inputs unchanged"]
+
+            found.append(HiddenCheck(exercise.id, "leaves its inputs unchanged", inputs_unchanged))
+
+        try:
+            differentiable = [c for c in calls if _gradients(solution, *c) is not None][:2]
+        except Exception:
+            differentiable = []
+        if differentiable:
+            def gradients(answer):
+                names = [f"call {i + 1} of the visible check" for i in range(len(differentiable))]
+                _compare_gradients(answer, solution, differentiable, names)
+                return names
+
+            found.append(HiddenCheck(exercise.id, "gradients match the reference's", gradients))
+    return found
+
+
