@@ -1,7 +1,6 @@
 """The single-source gates: labs/ is exactly a fresh build of solutions/, and no answer leaks into it."""
 
 import re
-from pathlib import Path
 
 import nbformat
 import pytest

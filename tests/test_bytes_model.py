@@ -152,28 +152,26 @@ def test_our_kernels_lane_wide_elements_per_token(n):
 
 def test_partial_splits_are_the_kernels():
     pytest.importorskip("tilelang")
-    from mhc_lab.kernels.pre_cuda import SPLIT_DEFAULTS
+    from mhc_lab.kernels.pre_split import PROJECTION_SPLITS
+    from mhc_lab.ops.dispatch import CHAIN_SPLITS
 
-    assert bytes_model.PARTIAL_SPLITS == SPLIT_DEFAULTS["splits"]
-    from mhc_lab.ops.training import CHAIN_SPLITS
+    assert bytes_model.PARTIAL_SPLITS == PROJECTION_SPLITS
 
     assert bytes_model.CHAIN_PARTIAL_SPLITS == CHAIN_SPLITS
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_site_bytes_count_the_post_gradient_path(n):
-    """The training benchmark's bytes per site: at n = 4 the least design 41C, ours 58C, the linked site 50C and
-    the chained one 46C per token; with the post's output gradient handed to the pre (post_grad) the post's
-    backward writes no dx, n C fewer for the linked and chained sites only."""
-    from mhc_lab.bench.training import site_bytes_fwd_bwd
+def test_site_elements_count_the_post_gradient_path(n):
+    """The training benchmark's elements per site and token: at n = 4 the least design 41C, ours as separate ops
+    58C, the linked site 50C and the chained one 46C; with the post's output gradient handed to the pre
+    (post_grad) the post's backward writes no dx, n C fewer for the linked and chained sites only."""
+    from mhc_lab.bench.site import site_elements
 
-    tokens, C = 3, 40
-    plain, handed = site_bytes_fwd_bwd(tokens, C, n), site_bytes_fwd_bwd(tokens, C, n, post_grad=True)
+    plain, handed = site_elements(n, post_grad=False), site_elements(n, post_grad=True)
     if n == 4:
-        assert [plain[f"{k}_elements_per_token"] for k in ("least", "ours", "ours_linked", "ours_chained")] == [
-            "41 C", "58 C", "50 C", "46 C"]
-        assert handed["ours_linked_elements_per_token"] == "46 C" and handed["ours_chained_elements_per_token"] == "42 C"
-    for key in ("least", "ours"):
+        assert [plain[k] for k in ("least", "ours_separate", "ours_linked", "ours_chained")] == [41, 58, 50, 46]
+        assert (handed["ours_linked"], handed["ours_chained"]) == (46, 42)
+    for key in ("least", "ours_separate"):
         assert handed[key] == plain[key]
     for key in ("ours_linked", "ours_chained"):
-        assert plain[key] - handed[key] == tokens * n * C * 2
+        assert plain[key] - handed[key] == n

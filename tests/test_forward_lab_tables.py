@@ -1,89 +1,69 @@
-"""The recorded forward benchmark's part-by-part table, as lab 06 prints it."""
+"""The recorded forward benchmark's tables, as lab 06 prints them: its two parts (sites, reference) as one view."""
 
 from mhc_lab.course import forward_lab
 
 
-def _shape(tokens: int, C: int, whole: float, post: float, variants=()) -> dict:
-    """One shape of a forward recording: the fused kernel's time, the post's, and (tuning, ms) variants."""
-    return {"tokens": tokens, "C": C, "time_ms": {"stream.post_project": whole, "post": post},
-            "stream_variants": [{"tuning": tuning, "time_ms": {"stream.post_project": ms}}
-                                for tuning, ms in variants]}
+def _shape(tokens: int, C: int, time_ms: dict, kernel_ms: dict | None = None) -> dict:
+    out = {"tokens": tokens, "C": C, "n": 4, "min_bytes": 14 * C * 2 * tokens, "time_ms": time_ms,
+           "rel_err": {k: 1e-4 for k in time_ms}, "errors": {}}
+    if kernel_ms is not None:
+        out["kernel_ms"] = kernel_ms
+    return out
 
 
-def _recording(shapes: list, fixed: list | None = None, read_once: list | None = None) -> dict:
-    results = {"leave_out_run_O": {"environment": {"gpu": "Some GPU", "date": "2026-01-02"}, "shapes": shapes}}
-    if fixed is not None:
-        results["phi_first_run_P"] = {"shapes": fixed}
-    if read_once is not None:
-        results["lanes_once_run_AS"] = {"shapes": read_once}
-    return {"environment": {"gpu": "Other GPU"}, "results": results}
+def _recording() -> dict:
+    env = {"gpu": "Some GPU", "date": "2026-01-02"}
+    sites = {"environment": env, "copy_gbps": 4000.0,
+             "shapes": [_shape(16384, 4096, {"tilekernels": 0.70, "ours": 0.63},
+                               {"post": 0.30, "pre": 0.33, "pre.project": 0.16, "pre.apply": 0.18}),
+                        _shape(8192, 7168, {"tilekernels": 0.62, "ours": 0.55, "ours_chained": 0.49}, {})]}
+    reference = {"environment": {"gpu": "Some GPU", "date": "2026-01-01"}, "copy_gbps": 4100.0,
+                 "shapes": [_shape(16384, 4096, {"eager": 12.6, "compile": 7.9})]}
+    return {"name": "forward_h200", "environment": env, "results": {"sites": sites, "reference": reference}}
 
 
-def test_leave_out_table_gives_each_step_per_shape_and_the_fix():
-    steps = {("gemm",): 0.35, ("gemm", "phi"): 0.34, ("gemm", "phi", "out_tile"): 0.33,
-             ("gemm", "phi", "out_tile", "mix"): 0.32}
-    shapes = [_shape(16384, 4096, 0.43, 0.30, [({"leave_out": list(k)}, ms) for k, ms in steps.items()]),
-              _shape(8192, 7168, 0.37, 0.27)]  # this shape's steps were not timed
-    fixed = [_shape(16384, 4096, 0.44, 0.31, [({"phi_first": True}, 0.39)])]
-    read_once = [_shape(16384, 4096, 0.366, 0.31)]  # run AS: the kernel's own time at one shape
-    lines = forward_lab.leave_out_table(_recording(shapes, fixed, read_once)).splitlines()
-    assert lines[0].startswith("RECORDED on Some GPU, 2026-01-02")  # the run's own tags, not the file's
-    assert lines[1].split()[-6:] == ["16384", "x", "4096", "8192", "x", "7168"]
-    values = [line.split()[-2:] for line in lines[2:]]
-    assert values == [["0.430", "0.370"], ["0.350", "-"], ["0.340", "-"], ["0.330", "-"], ["0.320", "-"],
-                      ["0.300", "0.270"], ["0.390", "-"], ["0.366", "-"]]
-    assert "read once" in lines[-1]
+def test_the_two_parts_make_one_view_judged_by_the_sites_copy_bandwidth():
+    results = forward_lab.recorded_results(_recording())
+    assert results["copy_gbps"] == 4000.0
+    first, second = results["shapes"]
+    assert (first["tokens"], first["C"]) == (16384, 4096) and set(first["time_ms"]) == {
+        "eager", "compile", "tilekernels", "ours"}
+    assert second["time_ms"] == {"tilekernels": 0.62, "ours": 0.55, "ours_chained": 0.49}
+    labels = forward_lab.recorded_labels(_recording()).splitlines()
+    assert labels[0].startswith("TileKernels, ours and our kernels: RECORDED on Some GPU, 2026-01-02")
+    assert labels[1].startswith("eager and torch.compile: RECORDED on Some GPU, 2026-01-01")
+    assert forward_lab.recorded_results(None) is None and forward_lab.recorded_results({"results": {}}) is None
 
 
-def test_leave_out_table_without_the_runs_says_so():
-    assert forward_lab.leave_out_table({"results": {}}).startswith("(no leave_out recording")
-    text = forward_lab.leave_out_table(_recording([_shape(16384, 2560, 0.28, 0.2)]))
-    assert "A operand" not in text and "read once" not in text  # no fix row without its run
+def test_site_table_gives_every_implementation_against_tilekernels_and_says_what_is_missing():
+    lines = forward_lab.site_table(forward_lab.recorded_results(_recording())).splitlines()
+    ours = next(line for line in lines if line.startswith("16384 x 4096  ours (split"))
+    assert ours.split()[-1] == "0.90x" and "0.630 ms" in ours
+    assert any(line.startswith("16384 x 4096  ours, chained") and "not measured" in line for line in lines)
+    eager = next(line for line in lines if line.startswith("16384 x 4096  eager"))
+    assert eager.split()[-1] == "18.00x"
+    assert any(line.startswith("8192 x 7168   eager") and "not measured" in line for line in lines)
 
 
-def test_the_recorded_leave_out_table_renders_every_recorded_step():
-    recording = forward_lab.recorded_or_none(forward_lab.STREAM_RECORDING)
-    text = forward_lab.leave_out_table(recording)
-    for shape in recording["results"]["leave_out_run_O"]["shapes"]:
-        for row in shape["stream_variants"]:
-            assert f"{row['time_ms']['stream.post_project']:.3f}" in text
-    shapes = len(recording["results"]["leave_out_run_O"]["shapes"])
-    # every cell measured, but run AS's (cut off before 8192 x 7168)
-    assert all("-" not in line.split()[-shapes:] for line in text.splitlines()[2:] if "run AS" not in line)
+def test_kernel_table_and_reading_use_each_kernels_own_bytes():
+    results = forward_lab.recorded_results(_recording())
+    lines = forward_lab.kernel_table(results).splitlines()
+    post = next(line for line in lines if line.startswith("16384 x 4096  post"))
+    assert "0.300 ms" in post and post.split()[-1] == f"{16384 * 73808 / 0.3e-3 / 1e9 / 4000:.1%}"
+    assert sum("not measured" in line for line in lines) == 3 + 7  # phi split and the chained kernels, all at 7168
+    facts = forward_lab.reading(results)
+    assert facts["chained_over_tilekernels"] == (0.49 / 0.62, 0.49 / 0.62)
+    assert facts["eager_over_ours"] == (12.6 / 0.63, 12.6 / 0.63)
+    assert "our chained site / TileKernels:               0.79x" in forward_lab.reading_text(results)
 
 
-STRIPPED = ["gemm", "phi", "out_tile", "mix"]
-
-
-def test_row_length_table_gives_each_box_shape_stripped_per_shape():
-    boxes = [({}, 0.34, 0.30), ({"linear_tiles": True, "block_m": 32, "block_k": 128}, 0.31, 0.27),
-             ({"linear_tiles": True, "block_m": 32, "block_k": 128, "stages": 3}, 0.311, None)]
-    shapes = []
-    for k, (tokens, C) in enumerate([(16384, 4096), (8192, 7168)]):
-        variants = [({**box, "leave_out": STRIPPED}, times[k]) for box, *times in boxes if times[k] is not None]
-        variants.append(({"linear_tiles": True}, 0.5))  # a whole kernel, not stripped: not a row of the table
-        shapes.append(_shape(tokens, C, (0.39, 0.34)[k], (0.309, 0.275)[k], variants))
-    recording = {"results": {"row_length_run_AA": {"environment": {"gpu": "Some GPU", "date": "2026-01-02"},
-                                                   "shapes": shapes}}}
-    lines = forward_lab.row_length_table(recording).splitlines()
-    assert lines[0].startswith("RECORDED on Some GPU, 2026-01-02")
-    assert lines[1].split()[-6:] == ["16384", "x", "4096", "8192", "x", "7168"]
-    assert lines[2].split()[-2:] == ["0.390", "0.340"] and lines[3] == "stripped to a plain copy, boxes of"
-    assert "64 tokens x 64 columns (128-byte rows), swizzled" in lines[4] and lines[4].split()[-2:] == ["0.340",
-                                                                                                       "0.300"]
-    assert "32 tokens x 128 columns (256-byte rows), unswizzled" in lines[5]
-    assert lines[5].split()[-2:] == ["0.310", "0.270"]
-    assert "3 stages" in lines[6] and lines[6].split()[-2:] == ["0.311", "-"]  # not timed at the second shape
-    assert lines[7].split()[-2:] == ["0.309", "0.275"] and len(lines) == 8
-
-
-def test_the_recorded_row_length_table_renders_every_stripped_variant():
-    recording = forward_lab.recorded_or_none(forward_lab.STREAM_RECORDING)
-    text = forward_lab.row_length_table(recording)
-    shapes = recording["results"]["row_length_run_AA"]["shapes"]
-    stripped = [row for s in shapes for row in s["stream_variants"] if row["tuning"].get("leave_out") == STRIPPED]
-    assert len(stripped) == 14
-    for row in stripped:
-        assert f"{row['time_ms']['stream.post_project']:.3f}" in text
-    assert "-" not in " ".join(line[-30:] for line in text.splitlines()[2:])  # every cell measured
-    assert forward_lab.row_length_table({"results": {}}).startswith("(no row-length recording")
+def test_the_recorded_tables_render_every_recorded_time():
+    recording = forward_lab.load_recorded()
+    results = forward_lab.recorded_results(recording)
+    text = forward_lab.site_table(results) + forward_lab.kernel_table(results)
+    for section in recording["results"].values():
+        for shape in section["shapes"]:
+            for ms in list(shape["time_ms"].values()) + list(shape.get("kernel_ms", {}).values()):
+                assert f"{ms:.3f} ms" in text
+    forward_lab.reading_text(results)
+    assert forward_lab.recorded_roof(recording).bandwidth_gbs == results["copy_gbps"]

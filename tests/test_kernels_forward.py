@@ -134,21 +134,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA G
 
 
 @needs_cuda
-@pytest.mark.parametrize("plan", ["split", "lookback", "cluster"])
 @pytest.mark.parametrize("n,C,tokens", [(4, 40, 7), (4, 200, 33), (4, 4096, 257), (4, 2560, 1), (2, 72, 33),
-                                        (8, 40, 7), (1, 72, 7)])
-def test_cuda_pre_and_post_match_float64_reference(plan, n, C, tokens):
-    from mhc_lab.kernels.pre_cluster import cluster_config
-    from mhc_lab.kernels.pre_cuda import CLUSTER_DEFAULTS
-    from mhc_lab.kernels.pre_lookback import lookback_config
-
-    if plan == "cluster" and not cluster_config(n, C, **CLUSTER_DEFAULTS)["fits"]:
-        pytest.skip(f"cluster plan not built for n = {n}, C = {C}")
-    if plan == "lookback" and not lookback_config(n, C)["fits"]:
-        pytest.skip(f"lookback plan not built for n = {n}")
+                                        (2, 72, 1), (8, 40, 7), (8, 40, 65), (1, 72, 7), (3, 72, 33), (6, 40, 7),
+                                        (4, 1020, 33)])
+def test_cuda_pre_and_post_match_float64_reference(n, C, tokens):
+    """The pre (phi split, projection pass, coefficients spread over a warp where n is a power of two, one thread
+    per token elsewhere, lane mix) and the post on NaN-poisoned outputs; C = 1020 is not a multiple of 8."""
     x, phi, bias, alpha, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=tokens + C)
     y_ref, pre_ref, post_ref, res_ref, _ = _reference(x, phi, bias, alpha, f)
-    got = mhc_pre_fused(x, phi, bias, alpha, plan=plan, out=_poisoned_pre(tokens, n, C, torch.bfloat16, "cuda"))
+    got = mhc_pre_fused(x, phi, bias, alpha, out=_poisoned_pre(tokens, n, C, torch.bfloat16, "cuda"))
     torch.cuda.synchronize()
     _assert_close("layer_input", got.layer_input, y_ref, "cuda", "lanes")
     _assert_close("pre", got.pre, pre_ref, "cuda", "coefficients")
@@ -160,24 +154,39 @@ def test_cuda_pre_and_post_match_float64_reference(plan, n, C, tokens):
     _assert_close("post lanes", out, want, "cuda", "lanes")
 
 
+@needs_cuda
+@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 257), (4, 200, 33), (2, 72, 7), (8, 40, 65), (3, 72, 7)])
+def test_cuda_pre_projected_runs_the_apply_pass_on_given_partials(n, C, tokens):
+    """run_pre_cuda with projected=True and one split (what a chained site's pre runs): the apply pass alone, on
+    partial sums made here in float64 from the lanes as stored."""
+    from mhc_lab.kernels.pre_cuda import run_pre_cuda
+
+    x, phi, bias, alpha, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=C + n)
+    y_ref, pre_ref, post_ref, res_ref, _ = _reference(x, phi, bias, alpha, f)
+    flat = x.double().cpu().reshape(tokens, n * C)
+    partial = torch.cat([flat @ phi.double().cpu().t(), flat.pow(2).sum(-1, keepdim=True)], -1)[None].float().cuda()
+    got = _poisoned_pre(tokens, n, C, torch.bfloat16, "cuda")
+    run_pre_cuda(x, phi, bias, alpha, got.layer_input, got.pre, got.post, got.res, splits=1, partial=partial,
+                 projected=True)
+    torch.cuda.synchronize()
+    _assert_close("layer_input", got.layer_input, y_ref, "cuda", "lanes")
+    for name, a, b in (("pre", got.pre, pre_ref), ("post", got.post, post_ref), ("res", got.res, res_ref)):
+        _assert_close(name, a, b, "cuda", "coefficients")
+
+
 # ---- sm_90 build of the CUDA kernels, on any machine with nvcc ----------------------------------------------
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
 def test_cuda_kernels_build_for_sm90():
     from mhc_lab.kernels.post import post_kernel
-    from mhc_lab.kernels.pre_cuda import LOOKBACK_DEFAULTS, SPLIT_DEFAULTS, lookback_splits
-    from mhc_lab.kernels.pre_lookback import lookback_kernel
-    from mhc_lab.kernels.pre_split import split_kernels
+    from mhc_lab.kernels.pre_split import phi_split_kernel, project_kernel
 
     post = post_kernel(4, 4096, "bfloat16", "sm_90")
     assert "uint4" in post.get_kernel_source()  # 16-byte vector loads of the lanes
-    kernels = split_kernels(4, 4096, "bfloat16", "sm_90", **SPLIT_DEFAULTS)  # what 'auto' runs
-    project = kernels[1].get_kernel_source()  # Hopper tensor cores for the projection, phi's rows as the A
-    assert "wgmma" in project and ", 64, 8, 16," not in project  # operand: m64n128k16, not m64n8k16
-    lookback = lookback_kernel(4, 2560, "bfloat16", "sm_90", splits=lookback_splits(2560), **LOOKBACK_DEFAULTS)
-    src = lookback.get_kernel_source()
-    assert "mhc_arrive" in src and "mhc_wait" in src  # the tile hand-off
+    assert phi_split_kernel(4, 4096, "sm_90") is not None
+    project = project_kernel(4, 4096, "bfloat16", "sm_90").get_kernel_source()  # Hopper tensor cores, phi's
+    assert "wgmma" in project and ", 64, 8, 16," not in project  # rows as the A operand: m64n128k16, not m64n8k16
 
 
 # ---- post fused with the next site's projection (kernels/post_project.py) ----------------------------------
@@ -216,12 +225,15 @@ def test_post_project_refuses_what_it_cannot_run():
         post_project_program(9, 64, "float32", "c")
     with pytest.raises(ValueError, match="expected dtype in \\('bfloat16',\\), got 'float16'"):
         post_project_program(4, 64, "float16", "sm_90")
-    with pytest.raises(ValueError, match="n = 8 with 64 tokens x 64 columns in 2 stages needs up to 655360 bytes"):
-        post_project_program(8, 64, "bfloat16", "sm_90", block_k=64, stages=2)
-    with pytest.raises(ValueError, match=r"leave_out takes a prefix of .*, got \('phi',\)"):
-        post_project_program(4, 64, "bfloat16", "sm_90", leave_out=("phi",))
-    with pytest.raises(ValueError, match="gemm_wait must be one of each, once, got 'never'"):
-        post_project_program(4, 64, "float32", "c", gemm_wait="never")
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_post_project_tiles_fit_in_shared_memory(n):
+    from mhc_lab.kernels._target import SMEM_LIMIT
+    from mhc_lab.kernels.post_project import cuda_tiles, shared_bytes
+
+    tiles = cuda_tiles(n)
+    assert shared_bytes(n, tiles["block_m"], tiles["block_k"], tiles["stages"]) <= SMEM_LIMIT
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
@@ -243,25 +255,22 @@ def test_post_project_builds_for_sm90(n, C):
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
 @pytest.mark.parametrize("n,C", [(4, 4096), (2, 200)])
-def test_post_project_waits_once_for_its_products_with_gemm_wait_once(n, C):
-    """gemm_wait "once": the n lanes' products issued without a wait each, one wait per column block, and phi's
-    stages released after it (their mbarrier arrives follow the wait in the generated code)."""
+def test_post_project_waits_once_for_its_products(n, C):
+    """The n lanes' products issued without a wait each, one wait per column block, and phi's stages released
+    after it (their mbarrier arrives follow the wait in the generated code)."""
     from mhc_lab.kernels.post_project import post_project_kernel
 
-    each = post_project_kernel(n, C, "bfloat16", "sm_90", gemm_wait="each").get_kernel_source()
-    once = post_project_kernel(n, C, "bfloat16", "sm_90").get_kernel_source()  # the default
-    assert "wait_wgmma" not in each and once.count("wait_wgmma<0>") == 1
-    assert each.count("wgmma_ss<") == once.count("wgmma_ss<") == n
+    once = post_project_kernel(n, C, "bfloat16", "sm_90").get_kernel_source()
+    assert once.count("wait_wgmma<0>") == 1 and once.count("wgmma_ss<") == n
     loop_tail = once[once.index("wait_wgmma<0>"):]
     assert loop_tail.index(".arrive()") < loop_tail.index("}")  # the releases right after the wait, in the loop
 
 
 @needs_cuda
-@pytest.mark.parametrize("n,C,tokens,tuning", [
-    (4, 4096, 257, {}), (4, 40, 7, {}), (4, 200, 33, {}), (2, 72, 1, {}), (8, 40, 65, {}), (1, 72, 7, {}),
-    (4, 200, 33, {"splits": 1}), (4, 4096, 65, {"splits": 2}), (4, 4096, 257, {"gemm_wait": "each"}),
-    (2, 72, 33, {"gemm_wait": "each"})])
-def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
+@pytest.mark.parametrize("n,C,tokens,splits", [
+    (4, 4096, 257, 1), (4, 40, 7, 1), (4, 200, 33, 1), (2, 72, 1, 1), (8, 40, 65, 1), (1, 72, 7, 1), (3, 72, 7, 1),
+    (4, 200, 33, 4), (4, 4096, 65, 2), (2, 72, 33, 4)])
+def test_cuda_post_project_matches_float64(n, C, tokens, splits):
     from mhc_lab.kernels.post_project import post_project_kernel
     from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
 
@@ -272,9 +281,8 @@ def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
     phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device="cuda")
     phi_split_kernel(n, C, "cuda")(phi, phi_hl)
     out = torch.full_like(x, float("nan"))
-    splits = tuning.get("splits", 4)
     partial = torch.full((splits, tokens, n * n + 2 * n + 1), float("nan"), device="cuda")
-    post_project_kernel(n, C, "bfloat16", "cuda", **{"splits": 4, **tuning})(x, f, post, res, phi_hl, out, partial)
+    post_project_kernel(n, C, "bfloat16", "cuda", splits=splits)(x, f, post, res, phi_hl, out, partial)
     _assert_close("next lanes", out, want_out, "cuda", "lanes")
     got = partial.sum(0).double().cpu()
     # against the projection of the lanes as the kernel stored them (a bf16 rounding of the next lanes apart)
@@ -285,47 +293,29 @@ def test_cuda_post_project_matches_float64(n, C, tokens, tuning):
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: no CUDA build check")
-@pytest.mark.parametrize("n,C", [(4, 4096), (2, 200), (8, 40), (1, 72)])
+@pytest.mark.parametrize("n,C", [(4, 4096), (2, 200), (8, 40), (1, 72), (3, 72), (6, 40), (4, 1020)])
 def test_split_apply_kernels_build_for_sm90(n, C):
-    from mhc_lab.kernels._coefficients import spread_layout
+    from mhc_lab.kernels._coefficients import spread_fits, spread_layout
     from mhc_lab.kernels._target import compile_program
     from mhc_lab.kernels.pre_split import coefficients_program, mix_program
 
-    one = compile_program(coefficients_program(n, C, "sm_90", spread=False), "sm_90").get_kernel_source()
-    assert "comb[" in one  # the Sinkhorn matrix in registers, one token per thread
-    spread = compile_program(coefficients_program(n, C, "sm_90"), "sm_90").get_kernel_source()
-    assert "comb[" not in spread  # by default a token over n R threads, its line sums by warp shuffles:
-    layout = spread_layout(n)  # log2 n shuffles per row held for the softmax's max and sum and each row step,
-    row_bits, slot_bits = len(layout.row_bits), len(layout.slot_bits)  # log2 R per column step (t = 20)
-    assert spread.count("__shfl_xor_sync") == (2 + 19) * layout.entries * row_bits + 20 * slot_bits
+    coefficients = compile_program(coefficients_program(n, C, "sm_90"), "sm_90").get_kernel_source()
+    if spread_fits(n):
+        assert "comb[" not in coefficients  # a token over n R threads, its line sums by warp shuffles:
+        layout = spread_layout(n)  # log2 n shuffles per row held for the softmax's max and sum and each row step,
+        row_bits, slot_bits = len(layout.row_bits), len(layout.slot_bits)  # log2 R per column step (t = 20)
+        assert coefficients.count("__shfl_xor_sync") == (2 + 19) * layout.entries * row_bits + 20 * slot_bits
+    else:
+        assert "comb[" in coefficients and "__shfl" not in coefficients  # the Sinkhorn matrix in one thread
     mix = compile_program(mix_program(n, C, "bfloat16", "sm_90"), "sm_90").get_kernel_source()
     if C % 8 == 0:
         assert "uint4" in mix  # 16-byte loads of the lanes
 
 
-@needs_cuda
-@pytest.mark.parametrize("spread", [True, False])
-@pytest.mark.parametrize("n,C,tokens", [(4, 4096, 257), (4, 40, 7), (4, 200, 33), (2, 72, 1), (8, 40, 65), (1, 72, 7)])
-def test_cuda_split_apply_matches_float64(n, C, tokens, spread):
-    """The apply pass as two kernels (per-token coefficients, spread over a warp's threads or one thread per
-    token, then the lane mix) on NaN-poisoned outputs."""
-    from mhc_lab.ops import mhc_pre_fused
-
-    x, phi, bias, alpha, f = _inputs(tokens, n, C, dtype=torch.bfloat16, device="cuda", seed=C)
-    y, pre, post, res, _ = _reference(x, phi, bias, alpha, f)
-    got = mhc_pre_fused(x, phi, bias, alpha, plan="split", tuning={"apply_phases": "split",
-                                                                   "spread_coefficients": spread},
-                        out=_poisoned_pre(tokens, n, C, torch.bfloat16, "cuda"))
-    _assert_close("layer input", got.layer_input, y, "cuda", "lanes")
-    for name, a, b in (("pre", got.pre, pre), ("post", got.post, post), ("res", got.res, res)):
-        _assert_close(name, a, b, "cuda", "coefficients")
-
-
-@pytest.mark.parametrize("n,C,tokens", [(4, 37, 5), (1, 9, 3), (8, 5, 2), (2, 24, 7)])
+@pytest.mark.parametrize("n,C,tokens", [(4, 37, 5), (1, 9, 3), (8, 5, 2), (2, 24, 7), (3, 10, 4)])
 def test_cpu_split_apply_kernels_match_float64(n, C, tokens):
     """The apply pass as two programs on the C target: coefficients from split partial sums, then the lane mix."""
-    from mhc_lab.kernels._target import compile_program
-    from mhc_lab.kernels.pre_split import coefficients_program, mix_program
+    from mhc_lab.kernels.pre_split import apply_kernel
 
     x, phi, bias, alpha, f = _inputs(tokens, n, C, seed=C + tokens)
     y_ref, pre_ref, post_ref, res_ref, _ = _reference(x, phi, bias, alpha, f)
@@ -333,8 +323,8 @@ def test_cpu_split_apply_kernels_match_float64(n, C, tokens):
     projection = torch.cat([flat @ phi.double().t(), flat.pow(2).sum(-1, keepdim=True)], -1)
     partial = torch.stack([projection * 0.25, projection * 0.75]).float()  # two splits that sum to it
     got = _poisoned_pre(tokens, n, C, torch.float32, "cpu")
-    compile_program(coefficients_program(n, C, "c", splits=2), "c")(partial, bias, alpha, got.pre, got.post, got.res)
-    compile_program(mix_program(n, C, "float32", "c"), "c")(x, got.pre, got.layer_input)
+    apply_kernel(n, C, "float32", "c", splits=2)(x, partial, bias, alpha, got.layer_input, got.pre, got.post,
+                                                 got.res)
     _assert_close("layer input", got.layer_input, y_ref, "cpu", "lanes")
     for name, a, b in (("pre", got.pre, pre_ref), ("post", got.post, post_ref), ("res", got.res, res_ref)):
         _assert_close(name, a, b, "cpu", "coefficients")
@@ -400,7 +390,7 @@ def test_cuda_builds_convert_bf16_pairs_with_our_helper():
     """Every CUDA build (here kernel 2 of the pre backward and the post + projection for sm_90) converts its bf16
     pairs with mhc_bf16x2_to_float2, the source it was built from and the one generated_source shows alike."""
     from mhc_lab.kernels.post_project import post_project_kernel
-    from mhc_lab.kernels.pre_backward import pre_backward_lanes_program
+    from mhc_lab.kernels.pre_backward_lanes import pre_backward_lanes_program
     from mhc_lab.kernels.source import generated_source
 
     for src in (post_project_kernel(4, 4096, "bfloat16", "sm_90").get_kernel_source(),

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from mhc_lab.course import bench_tilelang
+from mhc_lab.bench import tilelang as bench_tilelang
 from mhc_lab.course.checks import TOLERANCE
 from mhc_lab.kernels import elementwise, rmsnorm, source
 

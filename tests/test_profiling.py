@@ -90,8 +90,9 @@ def test_bench_small_cpu_run_writes_a_tagged_recording(tmp_path, capsys):
     assert code == 0
     saved = json.loads((tmp_path / "wall_test.json").read_text())
     assert {"date", "torch", "tilelang", "gpu"} <= set(saved["environment"])
-    assert saved["copy_bandwidth_gbs"] > 0 and saved["config"]["n"] == 4
-    rows = saved["results"]
+    assert saved["command"].startswith("python -m mhc_lab.bench memory-wall --device cpu")
+    assert saved["results"]["copy_bandwidth_gbs"] > 0 and saved["results"]["config"]["n"] == 4
+    rows = saved["results"]["rows"]
     assert {(r["layer"], r["pass"], r["C"]) for r in rows} == {
         (layer, p, C) for layer in ("residual", "hc", "mhc") for p in ("forward", "forward+backward")
         for C in (8, 16)}
@@ -112,4 +113,5 @@ def test_bench_merges_an_earlier_recording(tmp_path):
     bench_memory_wall.main(common + ["--widths", "16", "--out", str(tmp_path / "b"),
                                      "--merge-with", str(tmp_path / "a" / "wall_merge.json")])
     merged = json.loads((tmp_path / "b" / "wall_merge.json").read_text())
-    assert sorted({r["C"] for r in merged["results"]}) == [8, 16]
+    assert sorted({r["C"] for r in merged["results"]["rows"]}) == [8, 16]
+    assert merged["results"]["config"]["widths"] == [8, 16]

@@ -1,13 +1,16 @@
-"""Benchmarks that record GPU figures as JSON in mhc_lab/recorded/ (tagged with GPU, versions and date).
+"""Benchmarks that record GPU figures as JSON in mhc_lab/recorded/ (tagged with GPU, versions, date and the
+command that made them; mhc_lab.measure.schemas documents every key).
 
     python -m mhc_lab.bench memory-wall [--out DIR]   lab 04: copy bandwidth, naive layers, launches
     python -m mhc_lab.bench tilelang [--out DIR]      lab 05: TileLang RMSNorm, residual add and copy vs eager
-    python -m mhc_lab.bench forward [--out DIR]       lab 06: fused mHC forward vs eager, compile, TileKernels
-    python -m mhc_lab.bench training [--out DIR]      lab 07: site forward + backward, transformer block
+    python -m mhc_lab.bench forward [--parts ...]     lab 06: fused mHC forward vs eager, compile, TileKernels
+    python -m mhc_lab.bench training [--parts ...]    lab 07: site forward + backward, transformer block
     python -m mhc_lab.bench all [--out DIR]
     python -m mhc_lab.bench warm [--widths ...]       compile the kernels of the runs above in parallel first
-    python -m mhc_lab.bench ncu-summary DETAILS SASS  summarise Nsight Compute's CSV exports of a profile
-    python -m mhc_lab.bench sass-counts               static SASS of kernel 2 and the post + projection (no GPU)
+    python -m mhc_lab.bench results [--check]         docs/results.md and the README's table from the recordings
+
+Modules: common.py (timer, copy bandwidth, inputs, graphs, rounds), memory_wall.py, tilelang.py, forward.py,
+training.py with site.py, block.py, copy_floor.py, kernels.py and host.py, warm.py, results.py.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ SUITES = {
     "forward": "mhc_lab.bench.forward",
     "training": "mhc_lab.bench.training",
     "warm": "mhc_lab.bench.warm",
-    "ncu-summary": "mhc_lab.bench.ncu_summary",
-    "sass-counts": "mhc_lab.bench.sass_counts",
+    "results": "mhc_lab.bench.results",
 }
 MEASURING = ("memory-wall", "tilelang", "forward", "training")  # what "all" runs
 

@@ -2,8 +2,8 @@
 (eager and torch.compile, forward and forward + backward) with their kernel launches and GB/s on the bytes
 the bytes model counts. Writes one JSON recording tagged with GPU, driver, torch, tilelang and date.
 
-    python -m mhc_lab.bench.memory_wall --out DIR           # on a CUDA GPU: 16384 tokens, C 2560 and 4096
-    python -m mhc_lab.bench.memory_wall --out DIR           # on a CPU: a small version (1024 tokens, C 256)
+    python -m mhc_lab.bench memory-wall --out DIR           # on a CUDA GPU: 16384 tokens, C 2560 and 4096
+    python -m mhc_lab.bench memory-wall --out DIR           # on a CPU: a small version (1024 tokens, C 256)
 
 GB/s is always counted bytes over measured time: the bytes of mHC Table 2 (unfused, bf16 lanes, float32
 coefficients) for the sites, 3C elements per token for the residual. ``fraction_of_copy`` compares that with
@@ -20,7 +20,7 @@ import torch
 
 from mhc_lab.measure import bytes_model, profiling, roofline
 from mhc_lab.measure import (  # noqa: F401 (labs use recording_label)
-    load_recording, recording_label, resolve_device, save_recording, time_fn,
+    bench_command, load_recording, recording_label, resolve_device, save_recording, time_fn,
 )
 from mhc_lab.models.naive_layers import make_layer
 
@@ -87,10 +87,12 @@ def _describe(r: dict) -> str:
 
 def run(device="auto", tokens: int | None = None, widths=None, n: int = 4, dtype: torch.dtype | None = None,
         compile: bool | None = None, backward: bool = True, repeat: int | None = None, out=None,
-        name: str | None = None, merge_with=None, log=print) -> dict:
+        name: str | None = None, merge_with=None, command: str = "python -m mhc_lab.bench memory-wall",
+        log=print) -> dict:
     """Measure everything, save it with :func:`measure.save_recording` after every shape (so a run cut short
-    still leaves its rows), and return the payload. ``merge_with``: a recording (JSON path) whose rows for
-    other widths are kept, so one recording can be made in several runs."""
+    still leaves its rows), and return the results and where they went. ``merge_with``: a recording (JSON path)
+    whose rows for other widths are kept, so one recording can be made in several runs. ``command``: the command
+    line recorded with it."""
     device = resolve_device(device)
     gpu = device.type == "cuda"
     tokens = tokens or (16384 if gpu else 1024)
@@ -110,22 +112,24 @@ def run(device="auto", tokens: int | None = None, widths=None, n: int = 4, dtype
               "counted_bytes": "bytes_model: mHC Table 2 rows (unfused), lanes in the stream dtype, "
                                "coefficients in float32; backward rows derived",
               "launches": "CUDA kernels in the profiler (GPU); operations that compute (CPU)"}
-    payload = {"config": config, "copy_bandwidth_gbs": roof.bandwidth_gbs,
+    results = {"config": config, "copy_bandwidth_gbs": roof.bandwidth_gbs,
                "roof": {"device": roof.device, "bandwidth_gbs": roof.bandwidth_gbs,
-                        "matmul_tflops": roof.matmul_tflops, "matmul_dtype": roof.matmul_dtype}}
-    results: list[dict] = []
+                        "matmul_tflops": roof.matmul_tflops, "matmul_dtype": roof.matmul_dtype}, "rows": []}
     if merge_with is not None:
         import json
 
-        results = [r for r in json.loads(Path(merge_with).read_text())["results"] if r["C"] not in widths]
-        log(f"  keeping {len(results)} rows of {merge_with} (widths {sorted({r['C'] for r in results})})")
+        earlier = json.loads(Path(merge_with).read_text())["results"]["rows"]
+        results["rows"] = [r for r in earlier if r["C"] not in widths]
+        config["widths"] = sorted({r["C"] for r in results["rows"]} | set(widths))
+        log(f"  keeping {len(results['rows'])} rows of {merge_with} (widths "
+            f"{sorted({r['C'] for r in results['rows']})})")
     path = None
     for C in widths:
-        results += measure_shape(tokens, n, C, device, dtype, copy_gbs=roof.bandwidth_gbs, compile=compile,
-                                 backward=backward, warmup=3, repeat=repeat, log=log)
-        path = save_recording(name, results, directory=out, **payload)
+        results["rows"] += measure_shape(tokens, n, C, device, dtype, copy_gbs=roof.bandwidth_gbs, compile=compile,
+                                         backward=backward, warmup=3, repeat=repeat, log=log)
+        path = save_recording(name, results, command=command, directory=out)
     log(f"wrote {path}")
-    return {"name": name, **payload, "results": results, "path": str(path)}
+    return {"name": name, "results": results, "path": str(path)}
 
 
 def lane_sweep(tokens: int, C: int, ns=(1, 2, 4, 8), device="cpu", dtype: torch.dtype = torch.float32,
@@ -174,10 +178,10 @@ def lane_sweep_figure(sweep: list[dict]):
 def recorded_roofline(recording: dict, direction: str = "forward", C: int | None = None):
     """The recorded machine's roofline with the recorded layers (at width C, the widest if None) placed on it by
     counted FLOPs and bytes."""
-    rf = recording["roof"]
+    rf = recording["results"]["roof"]
     roof = roofline.Roof(rf["device"], rf["bandwidth_gbs"], rf["matmul_tflops"], rf["matmul_dtype"])
-    C = C if C is not None else max(r["C"] for r in recording["results"])
-    rows = [r for r in recording["results"] if r["pass"] == direction and r["C"] == C]
+    C = C if C is not None else max(r["C"] for r in recording["results"]["rows"])
+    rows = [r for r in recording["results"]["rows"] if r["pass"] == direction and r["C"] == C]
     points = []
     for r in rows:
         flops = r["tokens"] * bytes_model.flops_per_token(r["layer"], r["n"], r["C"], "forward")
@@ -232,7 +236,7 @@ def comparison_figure(local: list[dict], recording: dict | None):
     here = slowdown(local)
     fig.add_trace(go.Bar(name=f"this machine (live, C = {local[0]['C']})", x=list(here), y=list(here.values())))
     if recording is not None:
-        rec = recording["results"]
+        rec = recording["results"]["rows"]
         widest = max(r["C"] for r in rec)
         there = slowdown(rec, widest)
         env = recording["environment"]
@@ -244,8 +248,8 @@ def comparison_figure(local: list[dict], recording: dict | None):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench.memory_wall", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench memory-wall", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--tokens", type=int, help="default: 16384 on a GPU, 1024 on a CPU")
@@ -260,11 +264,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="directory for <name>.json (commit it into mhc_lab/recorded/)")
     parser.add_argument("--name", help=f"recording name (default: {RECORDING} on a GPU, memory_wall_cpu on a CPU)")
     parser.add_argument("--merge-with", type=Path, help="an earlier recording whose other widths are kept")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
     result = run(args.device, args.tokens, args.widths, args.n, compile=args.compile, backward=args.backward,
-                 repeat=args.repeat, out=args.out, name=args.name, merge_with=args.merge_with)
+                 repeat=args.repeat, out=args.out, name=args.name, merge_with=args.merge_with,
+                 command=bench_command("memory-wall", argv))
     print()
-    print(results_table(result["results"]))
+    print(results_table(result["results"]["rows"]))
     return 0
 
 

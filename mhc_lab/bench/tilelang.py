@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from mhc_lab.measure import (  # noqa: F401 (labs use recording_label)
-    recorded_or_none, recording_label, resolve_device, save_recording, time_fn,
+    bench_command, recorded_or_none, recording_label, resolve_device, save_recording, time_fn,
 )
 from mhc_lab.kernels import elementwise, rmsnorm
 
@@ -73,7 +73,8 @@ def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def run(device: str = "auto", *, quick: bool = False, repeat: int | None = None, log=print) -> dict:
-    """Measure copy, residual add and RMSNorm on ``device``; returns {"device", "copy_gbs", "rows", "variants"}.
+    """Measure copy, residual add and RMSNorm on ``device``; returns {"device", "copy_gbs", "rows", "variants", ...}:
+    variants holds every tile shape tried.
 
     On a CPU, PyTorch is timed on one thread, like the C target's kernels, which run one program instance after
     another on one core: the comparison is then kernel against kernel, not one core against all of them.
@@ -103,7 +104,7 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
     def rand(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=dev, dtype=dtype)
 
-    rows, variants = [], []
+    rows, tile_configs = [], []
 
     # The roof: a torch copy of the residual-add-sized tensor.
     N, C = shapes["copy"]
@@ -114,7 +115,7 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
     rows.append(_row("copy", "torch copy_", (N, C), dtype, counted, timing, copy_gbs))
     log(f"copy {N}x{C} {name}: torch copy_ {copy_gbs:.0f} GB/s (the roof of this run)")
 
-    def tilelang_variants(kernel_name, configs, make, check, counted, shape):
+    def measure_tile_shapes(kernel_name, configs, make, check, counted, shape):
         best = None
         for config in configs:
             try:
@@ -124,7 +125,7 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
                 ok = error is not None and error <= (1e-2 if gpu else 1e-5)
                 timing = _seconds(fn, dev, repeat=repeat, inner=inner) if ok else None
             except Exception as failure:  # one bad tile shape must not stop the others
-                variants.append({"kernel": kernel_name, "config": list(config), "ok": False,
+                tile_configs.append({"kernel": kernel_name, "config": list(config), "ok": False,
                                  "error": f"{type(failure).__name__}: {str(failure).splitlines()[0][:200]}"})
                 log(f"  {kernel_name} {config}: failed ({type(failure).__name__})")
                 continue
@@ -134,7 +135,7 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
                 log(f"  {kernel_name} {config}: {timing['median_s'] * 1e6:.1f} us, {entry['gbs']:.0f} GB/s")
                 if best is None or timing["median_s"] < best[1]["median_s"]:
                     best = (config, timing, error)
-            variants.append(entry)
+            tile_configs.append(entry)
         if best is not None:
             rows.append(_row(kernel_name, "tilelang", shape, dtype, counted, best[1], copy_gbs,
                              config=list(best[0]), relative_error=best[2]))
@@ -167,7 +168,7 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
             return _max_error(out, expected)
 
         configs = (ELEMENTWISE_VARIANTS[:2] if quick else ELEMENTWISE_VARIANTS) if gpu else [(4,)]
-        tilelang_variants(kernel_name, configs, make, check, counted, (N, C))
+        measure_tile_shapes(kernel_name, configs, make, check, counted, (N, C))
 
     # RMSNorm: eager (8 kernels), torch's own rms_norm, TileLang fused.
     N, C = shapes["rmsnorm"]
@@ -197,10 +198,10 @@ def _measure(dev: torch.device, *, quick: bool, repeat: int | None, log) -> dict
         return _max_error(y, reference)
 
     configs = (RMSNORM_VARIANTS[:2] if quick else RMSNORM_VARIANTS) if gpu else [(4,)]
-    tilelang_variants("rmsnorm", configs, make_rms, check_rms, counted, (N, C))
+    measure_tile_shapes("rmsnorm", configs, make_rms, check_rms, counted, (N, C))
 
     device_name = torch.cuda.get_device_name(dev) if gpu else "CPU (TileLang C target and torch, one thread)"
-    return {"device": device_name, "copy_gbs": copy_gbs, "rows": rows, "variants": variants, "eps": EPS,
+    return {"device": device_name, "copy_gbs": copy_gbs, "rows": rows, "variants": tile_configs, "eps": EPS,
             "torch_threads": torch.get_num_threads()}
 
 
@@ -345,7 +346,7 @@ def predicted_time_figure(N: int, C: int, copy_gbs: float, measured: list[dict] 
 # ---- command line ----------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench tilelang", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -354,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("build/recorded"),
                         help="directory for <name>.json (commit the GPU one into mhc_lab/recorded/)")
     parser.add_argument("--name", help=f"recording name (default: {RECORDING} on an H200, tilelang_cpu on a CPU)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
     results = run(args.device, quick=args.quick, repeat=args.repeat)
     name = args.name
     if name is None:
@@ -365,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             name = "tilelang_cpu"
         else:
             name = "tilelang_" + "".join(ch if ch.isalnum() else "_" for ch in gpu.lower()).strip("_")
-    path = save_recording(name, results, directory=args.out)
+    path = save_recording(name, results, command=bench_command("tilelang", argv), directory=args.out)
     print()
     print(results_table(results))
     print(f"\nwrote {path}")

@@ -8,14 +8,14 @@ TileLang compiles each kernel on first use (10-15 s each with nvcc) and keeps it
 benchmark run compiles its kernels one after another; this command runs every benchmark of the given widths
 at 64 tokens, in parallel processes, without saving anything, so that the kernels (which do not depend on the
 token count) are compiled side by side on the machine's cores and the timed runs that follow load them from
-the cache. Done this way by hand on the course's H200 machine (16 cores, 2026-11-30), the compile phase took
-about 80 s instead of about 5 minutes. Each process's output goes to --logs; the command prints one line per
+the cache. On the course's 16-core H200 machine the compile phase takes about 80 s this way instead of about
+5 minutes. Each process's output goes to --logs; the command prints one line per
 process (with the end of the log of any that failed) and fails if one did.
 
 --tests EXPR adds the tests that pytest's -k EXPR selects, each in a process of its own in the same pool: a
 CUDA test compiles the kernels of its own shapes, so a pytest process that runs them one after another spends
-minutes compiling (one such process took 522 s on the H200 machine, 2026-11-30; the same tests side by side
-took under 2 minutes).
+minutes compiling (one such process took 522 s on the H200 machine; the same tests side by side took under
+2 minutes).
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ def commands(widths=WIDTHS) -> list[list[str]]:
         shape = f"{SMALL_TOKENS}x{C}"
         out.append(["training", "--parts", "site", "--shapes", shape, "--skip", "eager,compile,tilekernels",
                     "--no-save"])
-        out.append(["forward", "--shapes", shape, "--skip", "eager,compile,tilekernels", "--plans", "split",
-                    "--no-save"])
+        out.append(["forward", "--parts", "sites", "--shapes", shape, "--skip", "tilekernels", "--no-save"])
     return out
 
 

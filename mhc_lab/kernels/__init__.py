@@ -1,7 +1,7 @@
 """TileLang tile programs, one factory per kernel (compile-time parameters in, tile program out)."""
 
 from mhc_lab.kernels._target import canonical_target, nvcc_path
-from mhc_lab.kernels.post import post_bytes, post_kernel, post_program
+from mhc_lab.kernels.post import post_bytes, post_kernel, post_kernel_program
 from mhc_lab.kernels.pre import pre_bytes, pre_kernel_c, pre_program
 
 __all__ = [
@@ -9,7 +9,7 @@ __all__ = [
     "nvcc_path",
     "post_bytes",
     "post_kernel",
-    "post_program",
+    "post_kernel_program",
     "pre_bytes",
     "pre_kernel_c",
     "pre_program",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import threading
 
@@ -102,26 +101,6 @@ def quiet_tilelang() -> None:
 C_TARGET_FLAGS = ["-O3"]
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on Hopper (sm_90)
-SMEM_PER_SM = 228 * 1024  # bytes of shared memory of one Hopper SM, of which the driver keeps 1 KB per CTA
-
-
-def shared_per_cta(ctas_per_sm: int) -> int:
-    """Bytes of shared memory each CTA may use when ctas_per_sm of them must fit on one Hopper SM at once."""
-    return SMEM_LIMIT if ctas_per_sm == 1 else SMEM_PER_SM // ctas_per_sm - 1024
-# compile_program's pass_configs for a pipelined loop without a producer warpgroup (every thread loads with
-# cp.async and computes); TileLang's PassConfigKey.TL_DISABLE_WARP_SPECIALIZED
-NO_WARP_SPECIALIZATION = {"tl.disable_warp_specialized": True}
-
-
-def leave_out_prefix(kernel: str, steps: tuple, leave_out) -> tuple:
-    """A kernel factory's leave_out (timing experiments: parts of the kernel dropped to see what each costs) as a
-    tuple, checked to be a prefix of the kernel's ``steps``: each part can only go once the ones before it are
-    gone."""
-    left = tuple(leave_out)
-    if left != tuple(steps)[: len(left)]:
-        raise ValueError(f"{kernel}: leave_out takes a prefix of {tuple(steps)} (each part needs the ones before it "
-                         f"gone), got {left}")
-    return left
 
 
 # A pair of bf16 values to float32. TileLang's generated CUDA converts a pair with __bfloat1622float2, which ptxas
@@ -142,51 +121,6 @@ BF16_PAIR_CONVERSION = r"(?:__bfloat1622float2|mhc_bf16x2_to_float2)\(\("
 CUDA_FLAGS = ["-DMHC_LAB_CUDA_POSTPROC=1"]
 
 
-# Role branches made warp-uniform (opt-in, uniform_warp_branches): TileLang's generated CUDA picks a warp's role
-# (producer, consumer warpgroup) by comparing threadIdx.x, which ptxas cannot prove equal across a warp, so the
-# code inside is compiled as divergent. It then forms each wgmma's descriptors in ordinary registers and moves them
-# to uniform ones before every HGMMA (R2UR). Comparing a warp index that every lane takes from lane 0
-# (__shfl_sync, as CUTLASS's canonical warp-group index does) decides the same branches, and ptxas keeps the
-# descriptors uniform: in kernel 2 of the pre backward (n = 4, C = 4096, sm_90a) 2192 instead of 2352 static
-# instructions and 30 R2UR instead of 142 (python -m mhc_lab.bench sass-counts --uniform-branches). On for a
-# whole process with MHC_LAB_UNIFORM_WARP_BRANCHES=1 (so that the CUDA tests can run with it: the kernel factories
-# cache what they built, whatever the setting was then).
-UNIFORM_WARP_BRANCHES = os.environ.get("MHC_LAB_UNIFORM_WARP_BRANCHES", "") == "1"
-_WARP_INDEX = "mhc_warp"
-_THREAD_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{")
-_KERNEL_BODY = re.compile(r'extern "C" __global__ void[^{]*\{\n')
-
-
-def uniform_warp_branches(code: str) -> str:
-    """Generated CUDA with each kernel's branches on ``threadIdx.x < K`` (K a multiple of 32: whole warps on each
-    side) comparing a warp index taken from lane 0 instead, declared at the kernel's start, where every thread
-    of the CTA runs; other comparisons unchanged."""
-    def warp_branch(match):
-        k = int(match.group(1))
-        return f"if ({_WARP_INDEX} < {k // 32}) {{" if k % 32 == 0 else match.group(0)
-
-    declaration = f"  const int {_WARP_INDEX} = __shfl_sync(0xffffffff, ((int)threadIdx.x) >> 5, 0);\n"
-    code = _KERNEL_BODY.sub(lambda m: m.group(0) + declaration, code)
-    return _THREAD_BRANCH.sub(warp_branch, code)
-
-
-@contextlib.contextmanager
-def warp_uniform_branches(enabled: bool = True):
-    """Within this block, CUDA kernels compiled by compile_program pass through uniform_warp_branches (or not)."""
-    global UNIFORM_WARP_BRANCHES
-    previous, UNIFORM_WARP_BRANCHES = UNIFORM_WARP_BRANCHES, bool(enabled)
-    try:
-        yield
-    finally:
-        UNIFORM_WARP_BRANCHES = previous
-
-
-def cuda_flags() -> list[str]:
-    """CUDA_FLAGS, and a macro for uniform_warp_branches when it is on, so that TileLang's kernel cache (keyed on
-    the flags) keeps the two builds of a program apart."""
-    return CUDA_FLAGS + (["-DMHC_LAB_UNIFORM_WARP_BRANCHES=1"] if UNIFORM_WARP_BRANCHES else [])
-
-
 def two_instruction_bf16_pairs(code: str) -> str:
     """Generated CUDA with every __bfloat1622float2 call replaced by mhc_bf16x2_to_float2 (defined before the
     first kernel); code without such calls unchanged."""
@@ -201,18 +135,14 @@ def two_instruction_bf16_pairs(code: str) -> str:
 @contextlib.contextmanager
 def code_generation():
     """One TileLang code generation at a time (thread-safe); within it, generated CUDA passes through
-    two_instruction_bf16_pairs (and uniform_warp_branches where UNIFORM_WARP_BRANCHES is on), after any
-    post-processing registered before, which is restored afterwards."""
+    two_instruction_bf16_pairs, after any post-processing registered before, which is restored afterwards."""
     import tvm_ffi
 
     with _lock:
         previous = tvm_ffi.get_global_func(_CUDA_POSTPROC, allow_missing=True)
 
-        uniform = UNIFORM_WARP_BRANCHES
-
         def postproc(code, target):
-            code = two_instruction_bf16_pairs(previous(code, target) if previous is not None else code)
-            return uniform_warp_branches(code) if uniform else code
+            return two_instruction_bf16_pairs(previous(code, target) if previous is not None else code)
 
         tvm_ffi.register_global_func(_CUDA_POSTPROC, f=postproc, override=True)
         try:
@@ -237,7 +167,7 @@ def compile_program(program, target: str, pass_configs: dict | None = None):
     t = canonical_target(target)
     if t != "c":
         _ensure_nvcc_on_path()
-    extra = {"compile_flags": C_TARGET_FLAGS if t == "c" else cuda_flags()}
+    extra = {"compile_flags": C_TARGET_FLAGS if t == "c" else CUDA_FLAGS}
     cache_log = logging.getLogger("tilelang.cache.kernel_cache")
     was_disabled, cache_log.disabled = cache_log.disabled, True
     try:

@@ -31,8 +31,9 @@ def _check(n: int, C: int, dtype: str, target: str) -> str:
     return check_target_dtype("post kernel", dtype, target, DTYPES)
 
 
-def default_tiles(C: int, dtype: str) -> tuple[int, int, int]:
-    """(block_tokens, block_c, threads) for CUDA: 16-byte vectors, every thread owning whole vectors."""
+def post_tiles(C: int, dtype: str) -> tuple[int, int, int]:
+    """(block_tokens, block_c, threads) on CUDA: 256 threads, each owning whole 16-byte vectors; column blocks of
+    512 (1 KB rows in bf16) where C allows, so the loads run along long contiguous rows."""
     threads = 256
     vec = 8 if dtype in ("bfloat16", "float16") else 4
     block_c = 512 if C >= 512 else max(64, 1 << (C - 1).bit_length())
@@ -40,19 +41,19 @@ def default_tiles(C: int, dtype: str) -> tuple[int, int, int]:
     return block_tokens, block_c, threads
 
 
-def post_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                 block_tokens: int | None = None, block_c: int | None = None, threads: int | None = None):
+def post_kernel_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
     """The tile program (a TileLang PrimFunc) of the post kernel for n lanes of width C.
 
     Arguments at run time: x [T, n, C], f [T, C], post [T, n] f32, res [T, n, n] f32, out [T, n, C];
-    T (tokens) is dynamic, n, C and dtype are baked in.
+    T (tokens) is dynamic, n, C and dtype are baked in. CUDA tiles: post_tiles; C target: 4 tokens per program
+    instance.
     """
     t = _check(n, C, dtype, target)
     NT = T.dynamic("T")
     lanes = list(range(n))
 
     if t == "c":
-        bt = block_tokens or 4
+        bt = 4
 
         @T.prim_func
         def post_c(
@@ -75,8 +76,7 @@ def post_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", 
 
         return post_c
 
-    d_bt, d_bc, d_th = default_tiles(C, dtype)
-    BT, BC, TH = block_tokens or d_bt, block_c or d_bc, threads or d_th
+    BT, BC, TH = post_tiles(C, dtype)
     NCOEF = n * n + n
 
     @T.prim_func
@@ -116,11 +116,9 @@ def post_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", 
 
 
 @functools.lru_cache(maxsize=None)
-def post_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                block_tokens: int | None = None, block_c: int | None = None, threads: int | None = None):
+def post_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
     """The compiled post kernel (cached per process): call it as ``kernel(x, f, post, res, out)``."""
-    program = post_program(n, C, dtype, target, block_tokens=block_tokens, block_c=block_c, threads=threads)
-    return compile_program(program, target)
+    return compile_program(post_kernel_program(n, C, dtype, target), target)
 
 
 def post_bytes(n: int, C: int, itemsize: int = 2) -> dict:

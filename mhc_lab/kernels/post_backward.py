@@ -36,8 +36,12 @@ def vector_width(C: int, dtype: str) -> int:
     return vec if C % vec == 0 else 1
 
 
+THREADS = 256  # CUDA: eight warps per CTA, a token per warp
+BLOCK_TOKENS = 4  # C target: tokens per program instance
+
+
 def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                          threads: int = 256, block_tokens: int = 4, lanes_grad: bool = True):
+                          lanes_grad: bool = True):
     """The tile program of the post backward for n lanes of width C.
 
     Arguments at run time: x [T, n, C], f [T, C], g [T, n, C], post [T, n] f32, res [T, n, n] f32, then the
@@ -54,7 +58,7 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
     NQ = NR + n
 
     if t == "c":
-        BT = block_tokens
+        BT = BLOCK_TOKENS
 
         @T.macro
         def body_c(x, f, g, post, res, dx, df, dpost, dres):
@@ -83,6 +87,7 @@ def post_backward_program(n: int, C: int, dtype: str = "bfloat16", target: str =
         return _post_backward_func(body_c, n, C, dtype, NT, lanes_grad)
 
     V = vector_width(C, dtype)
+    threads = THREADS
     WARPS = threads // 32
     STEP = 32 * V
     NS = (C + STEP - 1) // STEP
@@ -173,12 +178,11 @@ def _post_backward_func(body, n, C, dtype, NT, lanes_grad):
 
 
 @functools.lru_cache(maxsize=None)
-def post_backward_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256,
+def post_backward_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                          lanes_grad: bool = True):
     """The compiled post backward (cached per process): ``kernel(x, f, g, post, res, dx, df, dpost, dres)``,
     without dx when lanes_grad is False."""
-    return compile_program(post_backward_program(n, C, dtype, target, threads=threads, lanes_grad=lanes_grad),
-                           target)
+    return compile_program(post_backward_program(n, C, dtype, target, lanes_grad=lanes_grad), target)
 
 
 def post_backward_bytes(n: int, C: int, itemsize: int = 2, lanes_grad: bool = True) -> dict:

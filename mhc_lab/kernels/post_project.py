@@ -7,19 +7,18 @@
 #
 # where phi' is the next site's phi, out is rounded to the lanes' dtype before it is projected (so the partial
 # sums are those of the lanes the next pre reads), and M = n^2 + 2n. The next pre then needs only its apply
-# pass (pre_split.apply_program), which reads the lanes once: a stack of sites moves per site
+# pass (pre_split.apply_kernel), which reads the lanes once: a stack of sites moves per site
 #   post + projection: reads (n + 1) C, writes n C;   apply: reads n C, writes C     -> (3n + 2) C elements,
 # 14 C at n = 4, the least a site must move, instead of the 18 C of post + split pre (which reads x twice).
 # The first site of a stack still needs one projection pass of its own.
 #
-# One factory, two targets. CUDA: a CTA owns block_m tokens and one of `splits` ranges of columns; per column
-# block it copies the n lane tiles, the f tile and the next phi's columns (bf16 hi and lo rows, as the split
-# plan's projection takes them) into shared memory, mixes the lanes in float32, stores each result to global
-# memory from the registers and into an output tile in shared memory, and multiplies phi's rows with that tile
-# on the tensor cores into a [(2M padded to 64) x block_m] float32 accumulator (phi is the A operand, so each
-# wgmma is m64n32k16; with the output tile as A they were m64n8k16, three times as many, and the kernel took
-# 0.434 against 0.388 ms at 16384 x 4096 on the H200, 2026-11-30); the squared norm is summed on the way.
-# C target: the same arithmetic in plain loops.
+# One factory, two targets. CUDA: a CTA owns 64 tokens and one of `splits` ranges of columns; per column block
+# TileLang's producer warpgroup copies the n lane tiles, the f tile and the next phi's columns (bf16 hi and lo
+# rows, as the projection pass takes them) into shared memory by TMA; the consumer warpgroups mix the lanes in
+# float32, store each result to global memory from the registers and into an output tile in shared memory, and
+# multiply phi's rows with that tile on the tensor cores into a [(2M padded to 64) x 64] float32 accumulator
+# (phi is the A operand, so each wgmma is m64n32k16; with the output tile as A they would be m64n8k16, three
+# times as many); the squared norm is summed on the way. C target: the same arithmetic in plain loops.
 """post fused with the next site's projection: out = H_res x + H_post f, and the partial sums the next pre's
 apply pass starts from (CUDA tiles or TileLang's C target)."""
 
@@ -36,15 +35,9 @@ from mhc_lab.kernels._target import (
     check_lanes_and_width,
     check_target_dtype,
     compile_program,
-    leave_out_prefix,
     round_up,
 )
-from mhc_lab.kernels.pre_split import phi_rows, phi_tile_rows
-
-# the parts post_project_program's leave_out drops, in order: the products, phi's loads, the output tile, the mix
-LEAVE_OUT_STEPS = ("gemm", "phi", "out_tile", "mix")
-# when the CUDA program waits for the projection's products: after each lane's, or once after all n lanes'
-GEMM_WAITS = ("each", "once")
+from mhc_lab.kernels.pre_split import PROJECTION_SPLITS, phi_rows, phi_tile_rows
 
 
 def _check(n: int, C: int, dtype: str, target: str) -> str:
@@ -56,84 +49,49 @@ def _check(n: int, C: int, dtype: str, target: str) -> str:
     return t
 
 
-def cuda_tuning(n: int) -> dict:
-    """The CUDA tiles for n lanes. 256 threads: at 16384 x 2560 on the H200 the kernel took 0.337 ms against
-    0.405 with 128 (2026-11-30). n = 8 needs narrower column blocks and one stage to fit in shared memory."""
+def cuda_tiles(n: int) -> dict:
+    """The CUDA tiles for n lanes: 64 tokens x 64 columns (128-byte rows, the widest TMA box under the 128-byte
+    swizzle) in 2 stages, 256 threads (a producer and two consumer warpgroups). n > 4 takes 32-column blocks in
+    one stage to fit in shared memory (shared_bytes)."""
     if n <= 4:
         return {"block_m": 64, "block_k": 64, "stages": 2, "threads": 256}
     return {"block_m": 64, "block_k": 32, "stages": 1, "threads": 256}
 
 
-def shared_bytes(n: int, block_m: int, block_k: int, stages: int, phi_loaded: bool = True) -> int:
+def shared_bytes(n: int, block_m: int, block_k: int, stages: int) -> int:
     """Shared memory of the CUDA program, at most (TileLang may let buffers share space): per stage the n lane
-    tiles, the f tile and the phi tiles (unless leave_out drops phi's loads); once the n output tiles, and
-    either the tokens' coefficients or the accumulator's copy (the first is dead before the second is written,
-    and TileLang puts them in the same place)."""
+    tiles, the f tile and the phi tiles; once the n output tiles, and either the tokens' coefficients or the
+    accumulator's copy (the first is dead before the second is written, and TileLang puts them in the same
+    place)."""
     rows = phi_tile_rows(n)
-    staged = (n + 1) * block_m * block_k * 2 + (n * rows * block_k * 2 if phi_loaded else 0)
+    staged = (n + 1) * block_m * block_k * 2 + n * rows * block_k * 2
     return stages * staged + n * block_m * block_k * 2 + max(block_m * (n * n + n), rows * block_m) * 4
 
 
-def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
-                         block_m: int | None = None, block_k: int | None = None, stages: int | None = None,
-                         threads: int | None = None, block_tokens: int = 4, leave_out: tuple = (),
-                         gemm_wait: str = "once"):
-    """The tile program of post + next projection for n lanes of width C. CUDA tiles left None come from
-    cuda_tuning(n).
+def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+                         splits: int = PROJECTION_SPLITS):
+    """The tile program of post + next projection for n lanes of width C (CUDA tiles: cuda_tiles(n); C target:
+    4 tokens per program instance).
 
     Arguments at run time: x [T, n, C], f [T, C], post [T, n] f32, res [T, n, n] f32, then the next site's phi:
     on CUDA phi_hl [phi_rows(n), nC] bf16 (pre_split.phi_split_program's hi and lo rows), on the C target phi
     [n^2+2n, nC] f32; then the outputs out [T, n, C] and partial [S, T, n^2+2n+1] f32 with S = splits on CUDA
     (column ranges, summed by the apply pass) and S = 1 on the C target. T is dynamic.
 
-    The mix reads each lane tile's value from shared memory once, bound to a name, for all n output lanes.
-    Written as a list of expressions, the generated code re-read all n + 1 tiles for every output lane (20
-    8-byte shared loads and their bf16 unpacking per 4 elements at n = 4, where 5 do): the consumer issued 1263
-    instructions per column block and warp, now 927, and the kernel took 0.387 against 0.366 ms at 16384 x 4096,
-    0.249 against 0.232 at 16384 x 2560 (H200, 2026-11-30, run AS, kernel notes). Copying the tiles into
-    registers instead (a fragment per lane, the stage released early) was slower: 0.496 against 0.434 ms. Two CTAs
-    per SM (32-column blocks, min_blocks_per_sm 2, no warpgroup register reallocation) were slower too: 0.411
-    against 0.387 ms at 16384 x 4096, 0.454 against 0.337 at 8192 x 7168; stripped to a plain copy they gave
-    0.363 against one CTA's 0.340 ms (H200, 2026-11-30, kernel notes).
-
-    Three other ways to stream were slower (H200, 2026-11-30, kernel notes, section 2). The pipeline without a
-    producer warpgroup, its loads by cp.async: 0.444 against 0.389 ms at 16384 x 4096 (0.356 against 0.340
-    stripped to a plain copy). The post's way, each thread loading its share of a column block into registers,
-    no pipeline, several CTAs per SM: 0.467 ms at best, 0.373 stripped. And the loops the other way round, a CTA
-    keeping 128 columns of phi in shared memory and walking token blocks of 32, its lane tiles arriving as
-    unswizzled TMA boxes with 256-byte rows: 0.480 ms with two consumer warpgroups (0.689 with one), 0.331
-    stripped. What sets this kernel's copy floor is the rows' length: stripped to a plain copy, 64 columns
-    (128-byte rows) took 0.343 ms swizzled or not, 128 columns of 32 tokens 0.309, the post's own time; but
-    two stages of 64 tokens x 128 columns and their phi columns do not fit in shared memory.
-
-    gemm_wait (CUDA): "each" waits for each lane's products before the next lane's are issued (T.gemm's own
-    wait: four waits per column block at n = 4, each exposing a chain of wgmma's latency to both consumer
-    warpgroups); "once" issues all n lanes' products and waits for them once, then reads phi's staged tiles once
-    more so that the pipeline releases the stage only after that wait (as kernel 2 of the pre backward does).
-    Under the GPU's power cap, where this kernel's time follows the SM clock (run BL), "once" is the faster: on
-    the H200 behind GEMMs 0.419 against 0.438 ms at 16384 x 4096 and 0.275 against 0.285 at 16384 x 2560; alone
-    at the full clock 0.364 against 0.355 and 0.233 against 0.229 (run BO).
-
-    The output lanes leave from the registers that mixed them. Stored instead by one TMA store per lane from the
-    output tiles the products read (the wait deferred to the next column block) the kernel took the same time
-    alone, 0.357 against 0.358 ms at 16384 x 4096, and more behind GEMMs: 0.431 against 0.401 ms, 0.279 against
-    0.259 at 16384 x 2560 (H200, 2026-12-01, run BY, kernel notes).
-
-    leave_out (CUDA, timing experiments only: the results are wrong) drops parts of the kernel to see what each
-    costs: "gemm" the projection's tensor-core products, "phi" also phi's loads, "out_tile" also the output
-    tile's shared copy, "mix" also the lane mix (each output lane is then a plain copy of its own input lane).
+    The mix binds each lane tile's value to a name, so it is read from shared memory and unpacked once for all
+    n output lanes (written as a list of expressions, the generated code re-read all n + 1 tiles for every
+    output lane). The output lanes leave from the registers that mixed them. The n lanes' products are issued
+    without a wait each and waited for once per column block; phi's staged tiles are read once more after that
+    wait, so that the pipeline hands their stage back to the producer only when the products are done.
     """
     t = _check(n, C, dtype, target)
-    if gemm_wait not in GEMM_WAITS:
-        raise ValueError(f"post + projection kernel: gemm_wait must be one of {', '.join(GEMM_WAITS)}, "
-                         f"got {gemm_wait!r}")
     M = mixes_width(n)
     K = n * C
     NT = T.dynamic("T")
     lanes = list(range(n))
 
     if t == "c":
-        BT = block_tokens
+        BT = 4
 
         @T.prim_func
         def post_project_c(
@@ -163,17 +121,15 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
 
         return post_project_c
 
-    left = leave_out_prefix("post + projection kernel", LEAVE_OUT_STEPS, leave_out)
-    tuned = cuda_tuning(n)
-    block_m, block_k, stages, threads = (tuned[k] if v is None else v for k, v in (
-        ("block_m", block_m), ("block_k", block_k), ("stages", stages), ("threads", threads)))
+    tiles = cuda_tiles(n)
+    block_m, block_k, stages, threads = tiles["block_m"], tiles["block_k"], tiles["stages"], tiles["threads"]
     NP = phi_rows(n)
     NA = phi_tile_rows(n)
-    smem = shared_bytes(n, block_m, block_k, stages, phi_loaded="phi" not in left)
+    smem = shared_bytes(n, block_m, block_k, stages)
     if smem > SMEM_LIMIT:
         raise ValueError(f"post + projection kernel: n = {n} with {block_m} tokens x {block_k} columns in {stages} "
                          f"stages needs up to {smem} bytes of shared memory, more than the {SMEM_LIMIT} a CTA may "
-                         f"use; take fewer columns (block_k) or stages")
+                         f"use")
     NCOEF = n * n + n
     BM, BK, S = block_m, block_k, splits
     KS = round_up(ceil_div(C, S), BK)  # columns per split, whole blocks
@@ -195,9 +151,7 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
             sq_acc = T.alloc_fragment((BM, BK), "float32")
             sq = T.alloc_fragment((BM,), "float32")
             out_s = T.alloc_shared((NA, BM), "float32")
-            # gemm_wait "once": phi's tiles read after the wait
-            keep = T.alloc_local((1,), "float32") if gemm_wait == "once" else None
-            wait_annotations = {"wg_wait": -1} if gemm_wait == "once" else None
+            keep = T.alloc_local((1,), "float32")  # phi's tiles read after the products' wait
             t0 = bm * BM
             for tt, k in T.Parallel(BM, NCOEF):
                 tok = t0 + tt
@@ -211,9 +165,8 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                 c0 = s * KS + kk * BK
                 for j in lanes:
                     T.copy(x[t0 : t0 + BM, j, c0 : c0 + BK], xs[j])
-                    if "phi" not in left:
-                        # rows NP..NA of the tile are never written; the product rows they give are never read
-                        T.copy(phi_hl[0:NP, j * C + c0 : j * C + c0 + BK], ps[j][0:NP, 0:BK])
+                    # rows NP..NA of the tile are never written; the product rows they give are never read
+                    T.copy(phi_hl[0:NP, j * C + c0 : j * C + c0 + BK], ps[j][0:NP, 0:BK])
                 T.copy(f[t0 : t0 + BM, c0 : c0 + BK], fs)
                 for tt, c in T.Parallel(BM, BK):
                     # each lane's value bound to a name (a let), so the mix reads it once; as list items the
@@ -224,29 +177,21 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
                     xv = [x0, x1, x2, x3, x4, x5, x6, x7][:n]
                     fv = T.cast(fs[tt, c], "float32")
                     for i in lanes:
-                        if "mix" in left:
-                            o = T.cast(xv[i] + fv, dtype)
-                        else:
-                            o = T.cast(sum([cs[tt, i * n + j] * xv[j] for j in lanes], cs[tt, n * n + i] * fv),
-                                       dtype)
+                        o = T.cast(sum([cs[tt, i * n + j] * xv[j] for j in lanes], cs[tt, n * n + i] * fv), dtype)
                         # past the last column o is 0 (x and f arrive zero-filled), so phi columns that belong to
                         # the next lane, read there, add nothing
                         # the tile goes to shared memory for the GEMM, and leaves from the registers: stored
-                        # from shared memory in bulk, each lane's store had to finish before the next (0.517
-                        # against 0.464 ms at 16384 x 4096 on the H200, 2026-11-30)
-                        if "out_tile" not in left:
-                            os[i][tt, c] = o
+                        # from shared memory, each lane's store had to finish before the next
+                        os[i][tt, c] = o
                         if (t0 + tt < NT) & (c0 + c < C):
                             out[t0 + tt, i, c0 + c] = o
                         v = T.cast(o, "float32")
                         sq_acc[tt, c] += v * v
-                if "gemm" not in left:
-                    for i in lanes:  # "once": issued without T.gemm's own wait
-                        T.gemm(ps[i], os[i], acc, transpose_B=True, annotations=wait_annotations)
-                    if gemm_wait == "once":
-                        T.wait_wgmma(0)
-                        # the staged phi tiles' last use: after the wait, so the stage is released only then
-                        keep[0] = sum([T.cast(ps[i][0, 0], "float32") for i in lanes], T.float32(0))
+                for i in lanes:  # issued without T.gemm's own wait, waited for once below
+                    T.gemm(ps[i], os[i], acc, transpose_B=True, annotations={"wg_wait": -1})
+                T.wait_wgmma(0)
+                # the staged phi tiles' last use: after the wait, so the stage is released only then
+                keep[0] = sum([T.cast(ps[i][0, 0], "float32") for i in lanes], T.float32(0))
             T.reduce_sum(sq_acc, sq, dim=1)
             T.copy(acc, out_s)
             for tt, q in T.Parallel(BM, M):
@@ -262,11 +207,12 @@ def post_project_program(n: int, C: int, dtype: str = "bfloat16", target: str = 
 
 
 @functools.lru_cache(maxsize=None)
-def post_project_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", **tuning):
+def post_project_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+                        splits: int = PROJECTION_SPLITS):
     """The compiled post + next projection (cached per process):
     ``kernel(x, f, post, res, phi_next, out, partial)``."""
     t = canonical_target(target)
-    return compile_program(post_project_program(n, C, dtype, t, **tuning), t)
+    return compile_program(post_project_program(n, C, dtype, t, splits=splits), t)
 
 
 def post_project_bytes(n: int, C: int, itemsize: int = 2, splits: int = 4) -> dict:

@@ -5,23 +5,17 @@
 #   H_res = Sinkhorn_20(a2 r mixes_res + b) (DeepSeek-V4 convention), y = sum_j H_pre[j] x_j
 #   (arXiv 2512.24880 Eqs. 14-19 and Eq. 3's H_pre x; the norm is applied after the matmul, Eq. 16)
 #
-# Bytes per token, the least any plan must move (n = 4, bf16 lanes): read nC elements (8C bytes), write C
+# Bytes per token, the least a pre must move (n = 4, bf16 lanes): read nC elements (8C bytes), write C
 # (2C bytes) and 4 (2n + n^2) = 96 bytes of float32 coefficients (pre, post and res; pre is kept for a
-# later backward). phi ([n^2+2n, nC] float32, 384 C bytes, 1.5 MB at C = 4096) is read once per token *tile*,
-# so its cost per token is 384 C / tokens_per_tile bytes of L2 traffic.
+# later backward). phi ([n^2+2n, nC] float32, 384 C bytes) is read once per token *tile*, so its cost per token
+# is 384 C / tokens_per_tile bytes of L2 traffic.
 # FLOPs per token: 2 (n^2 + 2n) nC = 192 C for the projection, ~1.5k for the sigmoids and 20 Sinkhorn rounds,
 # 2 nC for H_pre x: ~20 FLOP per byte, far below any roofline ridge (memory-bound).
 #
-# The plans (docs/kernel-notes.md has their bytes and H200 timings):
-#   - target 'c': one fused program (below): a program instance owns a tile of tokens and walks each
-#     token's whole nC row twice in plain loops (projection + squared norm, then H_pre x), with the shared
-#     per-token coefficient code of _coefficients.py between the two walks.
-#   - CUDA, split plan (pre_split.py): projection pass + apply pass, every n in 1..8. The default: fastest
-#     measured (0.39 ms at 16384 x 4096 on an H200), though it reads x twice (18 C bytes per token, not 10 C).
-#   - CUDA, lookback plan (pre_lookback.py): one launch, x read once from HBM and once more from L2, tiles
-#     handed off through a counter and a flag; n = 2..8. Correct, slower (0.55 ms): the hand-off serialises.
-#   - CUDA, cluster plan (pre_cluster.py): one pass, phi resident in a 16-CTA cluster; n = 4, C up to ~5k.
-#     Correct, much slower (2.4 ms): one CTA per SM runs each tile's coefficients on its critical path.
+# This file holds the C-target programs: a program instance owns a tile of tokens and walks each token's whole
+# nC row twice in plain loops (projection + squared norm, then H_pre x), with the per-token coefficient code of
+# _coefficients.py between the two walks. On CUDA the pre runs in two passes (pre_split.py: a projection pass
+# on the tensor cores, then the apply pass), launched by pre_cuda.run_pre_cuda.
 """pre: H_pre, H_post, H_res and the layer input H_pre x of one mHC site."""
 
 import functools
@@ -49,23 +43,22 @@ def _project_row_macro(n: int, C: int):
     return project_row
 
 
-def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, block_tokens: int = 4,
-                iterations: int = 20):
-    """The C-target tile program of the whole pre kernel (one launch).
+def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c"):
+    """The C-target tile program of the whole pre kernel (one launch), 4 tokens per program instance.
 
     Arguments at run time: x [T, n, C], phi [n^2+2n, nC] f32, bias [n^2+2n] f32, alpha [3] f32, then outputs
     y [T, C], pre [T, n], post [T, n], res [T, n, n] (f32); T is dynamic.
     """
     if canonical_target(target) != "c":
-        raise ValueError("pre_program is the C-target program; on CUDA use pre_kernel(..., target='cuda')")
+        raise ValueError("pre_program is the C-target program; on CUDA use pre_cuda.run_pre_cuda")
     if dtype != "float32":
         raise ValueError(f"pre kernel on the C target: expected dtype 'float32', got {dtype!r}")
     check_lanes_and_width("pre kernel", n, C, max_lanes=8)
     M = mixes_width(n)
-    BT = block_tokens
+    BT = 4
     NT = T.dynamic("T")
     lanes = list(range(n))
-    coefficients = coefficient_macro(n, C, iterations=iterations)
+    coefficients = coefficient_macro(n, C)
     project_row = _project_row_macro(n, C)
     store = store_coefficients_macro(n)
 
@@ -99,16 +92,16 @@ def pre_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, bl
     return pre_c
 
 
-def projection_program(n: int, C: int, dtype: str = "float32", target: str = "c", *, block_tokens: int = 4):
+def projection_program(n: int, C: int, dtype: str = "float32", target: str = "c"):
     """The C-target projection alone: partial [1, T, n^2+2n+1] = (x_flat phi^T, sum(x^2)) per token, what the
-    backward needs from the forward (the CUDA split plan's projection pass writes the same, in splits)."""
+    backward needs from the forward (the CUDA projection pass writes the same, in splits)."""
     if canonical_target(target) != "c":
-        raise ValueError("projection_program is the C-target program; on CUDA the split plan's pass 1 does this")
+        raise ValueError("projection_program is the C-target program; on CUDA pre_split.project_program does this")
     if dtype != "float32":
         raise ValueError(f"projection on the C target: expected dtype 'float32', got {dtype!r}")
     check_lanes_and_width("projection", n, C, max_lanes=8)
     M = mixes_width(n)
-    BT = block_tokens
+    BT = 4
     NT = T.dynamic("T")
     project_row = _project_row_macro(n, C)
 
@@ -137,9 +130,10 @@ def projection_kernel_c(n: int, C: int):
 
 
 @functools.lru_cache(maxsize=None)
-def pre_kernel_c(n: int, C: int, dtype: str = "float32", *, block_tokens: int = 4):
-    """The compiled C-target pre kernel (cached per process)."""
-    return compile_program(pre_program(n, C, dtype, "c", block_tokens=block_tokens), "c")
+def pre_kernel_c(n: int, C: int, dtype: str = "float32"):
+    """The compiled C-target pre kernel (cached per process):
+    ``kernel(x, phi, bias, alpha, y, pre, post, res)``."""
+    return compile_program(pre_program(n, C, dtype, "c"), "c")
 
 
 def pre_bytes(n: int, C: int, itemsize: int = 2) -> dict:

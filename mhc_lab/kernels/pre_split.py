@@ -1,30 +1,26 @@
-# pre, split plan: the coefficients and the layer input of one mHC site in two passes over the lanes.
+# pre on CUDA: the coefficients and the layer input of one mHC site in two passes over the lanes.
 #
-#   pass 1 (project): partial[s, t, :] = x[t, K_s] . [phi_hi; phi_lo][:, K_s]^T  and  sum(x[t, K_s]^2)
-#   pass 2 (apply):   mixes = sum_s partial[s]; r = rsqrt(sum(x^2)/(nC) + eps); H_pre, H_post, Sinkhorn(H_res);
-#                     y[t, c] = sum_j H_pre[t, j] x[t, j, c]
+#   phi split:      phi_hl = [bf16(phi); bf16(phi - bf16(phi)); 0]                       (once per call)
+#   projection:     partial[s, t, :] = x[t, K_s] . phi_hl[:, K_s]^T (hi + lo rows added), sum(x[t, K_s]^2)
+#   coefficients:   mixes = sum_s partial[s]; r = rsqrt(sum(x^2)/(nC) + eps); H_pre, H_post, Sinkhorn(H_res)
+#   lane mix:       y[t, c] = sum_j H_pre[t, j] x[t, j, c]
 #
-# Bytes per token (bf16 lanes, n = 4): pass 1 reads nC elements (8C bytes) and writes splits * (n^2+2n+1)
-# float32 partials; pass 2 reads the partials and the nC lanes again (8C bytes), writes C (2C bytes) and
-# 4(n^2 + 2n) bytes of coefficients. Together 18C bytes + partials against the 10C a pre must move: the second
-# read of x is the price of not holding a token's whole nC row on chip while its H_pre is unknown.
-# phi (n^2+2n rows of nC float32, 1.5 MB at C = 4096) is read from L2 by every token tile: 384 C / block_m
-# bytes per token (1.5C at block_m = 256).
-# FLOPs per token: 2 (2 (n^2+2n)) nC for the split-precision projection (tensor cores), ~1.5k for Sinkhorn.
-# Fuses: the squared norm into the projection pass; the norm (applied after the matmul, arXiv 2512.24880
-# Eqs. 14-16), the sigmoids, the 20 Sinkhorn rounds and H_pre x into the apply pass.
+# Why two passes: H_pre needs the projection of a token's whole nC row before y = H_pre x can start, and an SM
+# cannot hold enough rows to amortise phi ([n^2+2n, nC] float32, re-read from L2 by every token tile). So the
+# projection pass streams x once into the tensor cores and writes a few float32 partial sums per token; the
+# apply pass (coefficients, then the lane mix) reads x again. Bytes per token (bf16 lanes, n = 4): 18 C against
+# the 10 C a pre must move; in a stack of sites the previous site's post projects the lanes it writes
+# (post_project.py) and only the apply pass runs, which brings a site to the least it must move.
 #
-# Precision: the bf16 tensor cores multiply x (exact in bf16) by phi split as phi = hi + lo, both bf16, so the
-# products carry ~16 bits of phi's mantissa (float32 keeps 24, tf32 10) and accumulate in float32.
-# This plan serves every n on CUDA and is the default ('auto'): on an H200 (2026-11-29) at 16384 x 4096 the
-# projection pass takes 0.196 ms (2.7 TB/s, 64% of the copy bandwidth), the apply pass 0.198 ms (3.4 TB/s,
-# 79%), the phi split 5 us. The projection pass reads x in TMA boxes whose rows are 128 bytes long (the 128-byte
-# swizzle's limit); longer-row tilings (128x256, 64x256, 128x128 tokens x columns) timed the same.
-# The apply pass runs as two kernels by default (apply_phases="split": coefficients with one thread per token,
-# then a post-shaped lane mix; SPLIT_DEFAULTS in pre_cuda.py has the timings). In a stack of sites the
-# projection pass is not needed at all: the previous site's post projects the lanes it writes
-# (kernels/post_project.py).
-"""pre, split plan (CUDA): a phi split kernel, a projection pass and an apply pass."""
+# Precision: the bf16 tensor cores multiply x (exact in bf16) by phi split as hi + lo, both bf16, so the
+# products carry ~16 bits of phi's mantissa and accumulate in float32.
+#
+# The apply pass is two kernels: the per-token coefficients first (every token's Sinkhorn at once, over all
+# SMs), then a lane mix shaped like the post kernel (16-byte loads, many small CTAs). Where n is a power of two
+# the coefficient kernel spreads each token over n R threads of a warp, its line sums by warp shuffles
+# (_coefficients.spread_coefficient_macros): one thread per token leaves a few long dependent chains per SM.
+# Other n run one thread per token; the C target runs the same math in loops.
+"""pre on CUDA (and the apply pass on the C target): phi split, projection pass, coefficients, lane mix."""
 
 
 import functools
@@ -42,7 +38,6 @@ from mhc_lab.kernels._coefficients import (
     store_coefficients_macro,
 )
 from mhc_lab.kernels._target import (
-    NO_WARP_SPECIALIZATION,
     canonical_target,
     ceil_div,
     check_lanes_and_width,
@@ -50,6 +45,10 @@ from mhc_lab.kernels._target import (
     compile_program,
     round_up,
 )
+
+# Column splits of the projection pass: each split is a grid column of CTAs writing its own partial sums, which
+# the coefficient kernel adds. Four give a 16384-token call enough CTAs to fill the GPU.
+PROJECTION_SPLITS = 4
 
 
 def phi_rows(n: int) -> int:
@@ -60,18 +59,18 @@ def phi_rows(n: int) -> int:
 def phi_tile_rows(n: int) -> int:
     """Rows of a shared phi tile: phi's hi and lo rows padded to whole 64-row tiles, phi being the A operand of
     the tensor cores' m64nNk16 products (the rows past phi_rows are never loaded, and the product rows they
-    give never read). With x as A and phi's 48 rows (n = 4) as the N side, TileLang issued m64n8k16, three
-    times as many instructions as m64n32k16 with phi as A."""
+    give never read). With x as A and phi's rows as the N side the products would be m64n8k16, three times as
+    many instructions at n = 4."""
     return round_up(phi_rows(n), 64)
 
 
 def _check_gpu(n, C, dtype, target):
     t = canonical_target(target)
     if t == "c":
-        raise ValueError("pre split plan: CUDA only; the C target uses pre.pre_program (target='c')")
+        raise ValueError("pre on CUDA: the C target uses pre.pre_program and pre_split's coefficient and mix programs")
     if dtype != "bfloat16":
-        raise ValueError(f"pre split plan: expected dtype 'bfloat16' lanes on CUDA, got {dtype!r}")
-    check_lanes_and_width("pre split plan", n, C, max_lanes=8)
+        raise ValueError(f"pre on CUDA: expected dtype 'bfloat16' lanes, got {dtype!r}")
+    check_lanes_and_width("pre on CUDA", n, C, max_lanes=8)
     return t
 
 
@@ -99,11 +98,16 @@ def phi_split_program(n: int, C: int, target: str = "cuda"):
 
 
 def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                    block_m: int = 256, block_k: int = 64, splits: int = 4, stages: int = 3, threads: int = 256):
-    """Pass 1: partial [splits, T, n^2+2n+1] float32 from x_flat [T, nC] and phi_hl [phi_rows, nC]."""
+                    splits: int = PROJECTION_SPLITS):
+    """The projection pass: partial [splits, T, n^2+2n+1] float32 from x_flat [T, nC] and phi_hl [phi_rows, nC].
+
+    A CTA owns 256 tokens and one of `splits` column ranges; TileLang pipelines [256 x 64] tiles of x and phi's
+    columns through shared memory in 3 stages (TMA, a producer warpgroup) into wgmma products with phi's rows
+    as A ([phi_tile_rows x 256 tokens] accumulator), and sums x^2 from the same tiles. 64 columns of bf16 are
+    128-byte rows, the widest TMA box under the 128-byte swizzle; longer tiles became several such boxes."""
     _check_gpu(n, C, dtype, target)
     M, K, NP, NA = mixes_width(n), n * C, phi_rows(n), phi_tile_rows(n)
-    BM, BK, S = block_m, block_k, splits
+    BM, BK, S, stages, threads = 256, 64, splits, 3, 256
     KS = round_up(ceil_div(K, S), BK)  # K per split, whole chunks
     NK = KS // BK
     NT = T.dynamic("T")
@@ -148,84 +152,18 @@ def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda
     return project
 
 
-def apply_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 4,
-                  block_tokens: int = 16, block_c: int = 256, threads: int = 256, stages: int = 2,
-                  iterations: int = 20):
-    """Pass 2: coefficients from the partials (one thread per token), then y = H_pre x over the lanes,
-    streamed through shared memory in [block_tokens x block_c] tiles of every lane."""
-    _check_gpu(n, C, dtype, target)
-    M = mixes_width(n)
-    S, BT, BC = splits, block_tokens, min(block_c, round_up(C, 64))
-    NC = ceil_div(C, BC)
-    NT = T.dynamic("T")
-    lanes = list(range(n))
-    coefficients = coefficient_macro(n, C, iterations=iterations)
-    gather = partial_sum_macro(n, S)
-    store = store_coefficients_macro(n)
+def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = PROJECTION_SPLITS):
+    """The apply pass's first kernel: sums each token's partials and writes H_pre, H_post and H_res. Arguments
+    partial [S, T, n^2+2n+1], bias, alpha, then pre, post, res (f32).
 
-    @T.prim_func
-    def apply(
-        x: T.Tensor((NT, n, C), dtype),
-        partial: T.Tensor((S, NT, M + 1), "float32"),
-        bias: T.Tensor((M,), "float32"),
-        alpha: T.Tensor((3,), "float32"),
-        y: T.Tensor((NT, C), dtype),
-        pre_out: T.Tensor((NT, n), "float32"),
-        post_out: T.Tensor((NT, n), "float32"),
-        res_out: T.Tensor((NT, n, n), "float32"),
-    ):
-        with T.Kernel(T.ceildiv(NT, BT), threads=threads) as b:
-            mix = T.alloc_local((M + 1,), "float32")
-            pre_l = T.alloc_local((n,), "float32")
-            post_l = T.alloc_local((n,), "float32")
-            comb = T.alloc_local((n * n,), "float32")
-            pre_s = T.alloc_shared((BT, n), "float32")
-            xs = [T.alloc_shared((BT, BC), dtype) for _ in lanes]
-            yf = T.alloc_fragment((BT, BC), dtype)
-            t0 = b * BT
-            tx = T.get_thread_binding()
-            if tx < BT:
-                tok = t0 + tx
-                if tok < NT:
-                    gather(partial, tok, mix)
-                    coefficients(mix, alpha, bias, pre_l, post_l, comb)
-                    store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)
-                    for i in T.unroll(n):
-                        pre_s[tx, i] = pre_l[i]
-                else:
-                    for i in T.unroll(n):
-                        pre_s[tx, i] = T.float32(0)
-            T.sync_threads()
-            for cb in T.Pipelined(NC, num_stages=stages):
-                c0 = cb * BC
-                for j in lanes:
-                    T.copy(x[t0 : t0 + BT, j, c0 : c0 + BC], xs[j])
-                for tt, c in T.Parallel(BT, BC):
-                    yf[tt, c] = T.cast(sum([pre_s[tt, j] * T.cast(xs[j][tt, c], "float32") for j in lanes]), dtype)
-                T.copy(yf, y[t0 : t0 + BT, c0 : c0 + BC])
-
-    return apply
-
-
-def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 4, iterations: int = 20,
-                         spread: bool | None = None):
-    """The apply pass's first half as a kernel of its own (apply_phases='split'): one thread per token (a loop
-    on the C target) sums the partials and writes H_pre, H_post and H_res; on CUDA every token's math runs at
-    once instead of on 16 threads of a CTA that then streams. Arguments partial [S, T, n^2+2n+1], bias, alpha,
-    then pre, post, res (f32).
-
-    spread (CUDA; None: when n is a power of two): each token over n R threads of a warp instead of one
-    thread, its line sums by warp shuffles (``spread_coefficient_macros``): one thread per token ran 4 warps
-    per SM at 16384 tokens, each a long dependent chain, and spread there are n R times as many warps."""
+    CUDA, n a power of two: each token over n R threads of a warp (spread_coefficient_macros); other n: one
+    thread per token, 128 tokens per CTA. C target: one token per loop iteration."""
     check_lanes_and_width("pre coefficients", n, C, max_lanes=8)
     t = canonical_target(target)
     M, S = mixes_width(n), splits
     NT = T.dynamic("T")
-    if spread is None:
-        spread = t != "c" and spread_fits(n)
-    if spread and t == "c":
-        raise ValueError("pre coefficients: spread=True spreads a token over a warp's threads, CUDA only")
-    coefficients = coefficient_macro(n, C, iterations=iterations)
+    spread = t != "c" and spread_fits(n)
+    coefficients = coefficient_macro(n, C)
     gather = partial_sum_macro(n, S)
     store = store_coefficients_macro(n)
     threads = 1 if t == "c" else TOKEN_THREADS
@@ -243,7 +181,7 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
                 coefficients(mix, alpha, bias, pre_l, post_l, comb)
                 store(tok, pre_l, post_l, comb, pre_out, post_out, res_out)
 
-    body = _spread_tokens_macro(n, C, splits=splits, iterations=iterations) if spread else one_thread_per_token
+    body = _spread_tokens_macro(n, C, splits=splits) if spread else one_thread_per_token
 
     @T.prim_func
     def token_coefficients(
@@ -256,12 +194,14 @@ def coefficients_program(n: int, C: int, target: str = "cuda", *, splits: int = 
     return token_coefficients
 
 
-def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, threads: int = 128):
-    """coefficients_program's body with spread=True, a T.macro of its arguments: T // (threads / (n R)) CTAs."""
+def _spread_tokens_macro(n: int, C: int, *, splits: int):
+    """coefficients_program's CUDA body for n a power of two, a T.macro of its arguments: 128-thread CTAs, each
+    token over n R of them."""
+    threads = 128
     layout = spread_layout(n)
     P, E, M2 = layout.threads, layout.entries, layout.gates
     TPC = threads // P  # tokens per CTA
-    spread = spread_coefficient_macros(n, C, splits, iterations=iterations)
+    spread = spread_coefficient_macros(n, C, splits)
 
     @T.macro
     def spread_tokens(partial, bias, alpha, pre_out, post_out, res_out):
@@ -285,12 +225,11 @@ def _spread_tokens_macro(n: int, C: int, *, splits: int, iterations: int, thread
     return spread_tokens
 
 
-def mix_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, threads: int = 256):
-    """The apply pass's second half as a kernel of its own (apply_phases='split'): y = sum_j H_pre[j] x_j. CUDA:
-    streamed like the post kernel (a CTA owns [block_tokens x block_c] of every lane, 16-byte vector loads,
-    H_pre of its tokens in shared memory); C target: plain loops. Arguments x [T, n, C], pre [T, n] f32, then
-    y [T, C]."""
-    from mhc_lab.kernels.post import default_tiles
+def mix_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
+    """The apply pass's second kernel: y = sum_j H_pre[j] x_j. Arguments x [T, n, C], pre [T, n] f32, then
+    y [T, C]. CUDA: streamed like the post kernel (a CTA owns [block_tokens x block_c] of every lane, 16-byte
+    vector loads, H_pre of its tokens in shared memory; post.post_tiles); C target: plain loops."""
+    from mhc_lab.kernels.post import post_tiles
 
     check_lanes_and_width("pre lane mix", n, C, max_lanes=8)
     t = check_target_dtype("pre lane mix", dtype, target, ("bfloat16",))
@@ -307,7 +246,7 @@ def mix_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *
 
         return mix_lanes_c
 
-    BT, BC, _ = default_tiles(C, dtype)
+    BT, BC, threads = post_tiles(C, dtype)
 
     @T.prim_func
     def mix_lanes(x: T.Tensor((NT, n, C), dtype), pre: T.Tensor((NT, n), "float32"), y: T.Tensor((NT, C), dtype)):
@@ -329,40 +268,26 @@ def mix_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *
 
 @functools.lru_cache(maxsize=None)
 def phi_split_kernel(n: int, C: int, target: str = "cuda"):
-    """The compiled phi split kernel (cached per process)."""
+    """The compiled phi split (cached per process): ``kernel(phi, phi_hl)``."""
     return compile_program(phi_split_program(n, C, target), target)
 
 
 @functools.lru_cache(maxsize=None)
-def split_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, block_m: int = 256,
-                  block_k: int = 64, splits: int = 4, stages: int = 3, block_tokens: int = 16, block_c: int = 256,
-                  apply_stages: int = 2, project_ws: bool = True, apply_phases: str = "fused",
-                  spread_coefficients: bool = True):
-    """(phi_split, project, apply) compiled kernels, cached per process. apply_phases="split": apply is the
-    per-token coefficient kernel then the lane-mixing kernel (one callable, apply's arguments);
-    spread_coefficients: the coefficient kernel spreads each token over a warp's threads when n is a power
-    of two (coefficients_program's spread)."""
-    if apply_phases not in ("fused", "split"):
-        raise ValueError(f"pre split plan: apply_phases: expected 'fused' or 'split', got {apply_phases!r}")
-    project = compile_program(project_program(n, C, dtype, target, block_m=block_m, block_k=block_k,
-                                              splits=splits, stages=stages), target,
-                              pass_configs=None if project_ws else NO_WARP_SPECIALIZATION)
-    if apply_phases == "split":
-        spread = None if spread_coefficients else False  # None: where coefficients_program can spread
-        coefficients = compile_program(coefficients_program(n, C, target, splits=splits, spread=spread), target)
-        mix = compile_program(mix_program(n, C, dtype, target), target)
+def project_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
+                   splits: int = PROJECTION_SPLITS):
+    """The compiled projection pass (cached per process): ``kernel(x_flat, phi_hl, partial)``."""
+    return compile_program(project_program(n, C, dtype, target, splits=splits), target)
 
-        def apply(x, partial, bias, alpha, y, pre, post, res):
-            coefficients(partial, bias, alpha, pre, post, res)
-            mix(x, pre, y)
 
-        return phi_split_kernel(n, C, target), project, apply
-    return (
-        phi_split_kernel(n, C, target),
-        project,
-        # the apply pass runs without warp specialisation: a producer warpgroup would hold registers that are
-        # better spent on more resident CTAs, whose coefficient phases then overlap other CTAs' streaming
-        compile_program(apply_program(n, C, dtype, target, splits=splits, block_tokens=block_tokens,
-                                      block_c=block_c, stages=apply_stages), target,
-                        pass_configs=NO_WARP_SPECIALIZATION),
-    )
+@functools.lru_cache(maxsize=None)
+def apply_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = PROJECTION_SPLITS):
+    """The apply pass, compiled (cached per process): one callable ``apply(x, partial, bias, alpha, y, pre, post,
+    res)`` that runs the coefficient kernel, then the lane mix. dtype: the lanes' (float32 on the C target)."""
+    coefficients = compile_program(coefficients_program(n, C, target, splits=splits), target)
+    mix = compile_program(mix_program(n, C, dtype, target), target)
+
+    def apply(x, partial, bias, alpha, y, pre, post, res):
+        coefficients(partial, bias, alpha, pre, post, res)
+        mix(x, pre, y)
+
+    return apply

@@ -1,147 +1,40 @@
-"""One timer, one device choice, and one place for recorded measurements (JSON tagged with where and when)."""
+"""Measuring: the timer and the device choice (timing.py), recorded results in mhc_lab/recorded and what each
+holds (recordings.py, schemas.py), the bytes each design moves (bytes_model.py), the profiler's counts
+(profiling.py) and the roofline (roofline.py).
 
-from __future__ import annotations
+    from mhc_lab.measure import time_fn, save_recording, load_recording, recorded_or_none, recording_label
+"""
 
-import datetime as _dt
-import json
-import platform
-import statistics
-import time
-from pathlib import Path
-from typing import Callable
+from mhc_lab.measure.recordings import (
+    RECORDED_DIR,
+    bench_command,
+    load_recording,
+    recorded_or_none,
+    recorded_section,
+    recording_label,
+    save_recording,
+    save_sections,
+)
+from mhc_lab.measure.timing import (
+    environment_tags,
+    gigabytes_per_second,
+    resolve_device,
+    synchronize,
+    time_fn,
+)
 
-import torch
-
-RECORDED_DIR = Path(__file__).resolve().parent.parent / "recorded"
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """'auto' picks CUDA when present, else the CPU; 'cuda' without a GPU is an error that says so."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("DEVICE='cuda' was asked for, but torch sees no CUDA GPU here; use 'auto' or 'cpu'")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"DEVICE: expected 'auto', 'cpu' or 'cuda', got {device!r}")
-    return torch.device(device)
-
-
-def synchronize(device: torch.device | str | None = None) -> None:
-    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
-        torch.cuda.synchronize()
-
-
-def time_fn(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 10, device=None) -> dict:
-    """Median, min and max seconds of ``fn()`` after warm-up; CUDA work is timed with events.
-
-    Returns {"median_s", "min_s", "max_s", "repeat"}.
-    """
-    dev = torch.device(device) if device is not None else None
-    on_cuda = torch.cuda.is_available() and (dev is None or dev.type == "cuda")
-    for _ in range(warmup):
-        fn()
-    times = []
-    if on_cuda:
-        torch.cuda.synchronize()
-        for _ in range(repeat):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeat": repeat}
-
-
-def gigabytes_per_second(nbytes: float, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def environment_tags() -> dict:
-    """What a measurement needs to be repeatable: device, driver, library versions, date."""
-    tags = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_threads": torch.get_num_threads(),
-    }
-    try:
-        import tilelang
-
-        tags["tilelang"] = tilelang.__version__
-    except Exception:  # tilelang is optional at run time on machines where it cannot load
-        tags["tilelang"] = None
-    try:
-        import triton
-
-        tags["triton"] = triton.__version__
-    except Exception:
-        tags["triton"] = None
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        tags.update(
-            gpu=props.name,
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            sm_count=props.multi_processor_count,
-            cuda=torch.version.cuda,
-            driver=_nvidia_driver(),
-        )
-    else:
-        tags["gpu"] = None
-    return tags
-
-
-def _nvidia_driver() -> str | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10,
-        )
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def save_recording(name: str, results, *, directory: Path | str | None = None, **extra) -> Path:
-    """Write ``results`` with the environment tags to ``<directory>/<name>.json`` (default: the package's)."""
-    directory = Path(directory) if directory is not None else RECORDED_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.json"
-    payload = {"name": name, "environment": environment_tags(), **extra, "results": results}
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-    return path
-
-
-def load_recording(name: str, *, directory: Path | str | None = None) -> dict:
-    """A recorded measurement, as saved by :func:`save_recording`; a clear error if there is none yet."""
-    directory = Path(directory) if directory is not None else RECORDED_DIR
-    path = directory / f"{name}.json"
-    if not path.exists():
-        known = sorted(p.stem for p in directory.glob("*.json"))
-        raise FileNotFoundError(f"no recording named {name!r} in {directory}; recorded: {known}")
-    return json.loads(path.read_text())
-
-
-def recorded_or_none(name: str) -> dict | None:
-    """The recording ``name`` from mhc_lab/recorded/, or None when there is none (yet)."""
-    try:
-        return load_recording(name)
-    except FileNotFoundError:
-        return None
-
-
-def recording_label(recording: dict) -> str:
-    """'RECORDED on <GPU>, <date> (not this machine): <versions>': the line every replayed result carries."""
-    env = recording.get("environment") or {}
-    device = env.get("gpu") or env.get("cpu") or "an unknown device"
-    return (f"RECORDED on {device}, {env.get('date', '?')} (not this machine): torch {env.get('torch')}, "
-            f"TileLang {env.get('tilelang')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}, "
-            f"driver {env.get('driver')}")
+__all__ = [
+    "RECORDED_DIR",
+    "bench_command",
+    "environment_tags",
+    "gigabytes_per_second",
+    "load_recording",
+    "recorded_or_none",
+    "recorded_section",
+    "recording_label",
+    "resolve_device",
+    "save_recording",
+    "save_sections",
+    "synchronize",
+    "time_fn",
+]

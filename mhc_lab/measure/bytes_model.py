@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 METHODS = ("residual", "hc", "mhc", "mhc_fused", "mhc_minimal")
-# this course's kernels (mhc_lab.kernels, run by mhc_lab.ops.training), as they move bytes today
+# this course's kernels (mhc_lab.kernels, run by mhc_lab.ops), as they move bytes
 IMPLEMENTATIONS = ("ours", "ours_linked", "ours_chained")
 DIRECTIONS = ("forward", "backward")
 LABELS = {
@@ -52,8 +52,8 @@ LABELS = {
     "ours_linked": "ours: mhc_site (linked)",
     "ours_chained": "ours: run_sites (linked and chained)",
 }
-# token splits of the pre's projection partial sums (mhc_lab.kernels.pre_cuda.SPLIT_DEFAULTS["splits"]), and of
-# those a chained post projects for the next pre (mhc_lab.ops.training.CHAIN_SPLITS)
+# token splits of the pre's projection partial sums (mhc_lab.kernels.pre_split.PROJECTION_SPLITS), and of
+# those a chained post projects for the next pre (mhc_lab.ops.dispatch.CHAIN_SPLITS)
 PARTIAL_SPLITS = 4
 CHAIN_PARTIAL_SPLITS = 1
 SINKHORN_ITERATIONS = 20
@@ -262,7 +262,7 @@ def _implementation_rows(method: str, n: int, direction: str, iterations: int) -
 
 def post_gradient_saving(n: int) -> int:
     """Lane-wide elements per token (units of C) that a linked or chained site saves when its post hands its
-    output gradient to the pre's backward (mhc_lab.ops.training.post_gradient_to_pre): the post's backward
+    output gradient to the pre's backward (mhc_lab.ops.dispatch.post_gradient_to_pre_for): the post's backward
     writes no dx (n C), and the pre's kernel 2 reads g where it read dx_post (the same n C) with H_res."""
     return _require_n(n)
 

@@ -78,13 +78,11 @@ def _lane_dtype(x: torch.Tensor, allowed: tuple[torch.dtype, ...], op: str) -> N
         raise InputError(f"{op}: x: expected dtype in ({names}) on {x.device.type}, got {_describe(x)}")
 
 
-def mhc_pre_fused(x, phi, bias, alpha, *, plan: str = "auto", tuning: dict | None = None,
-                  out: PreOutputs | tuple | None = None) -> PreOutputs:
-    """H_pre x, H_post, H_res and H_pre of one mHC site (one fused kernel launch on the CPU).
+def mhc_pre_fused(x, phi, bias, alpha, *, out: PreOutputs | tuple | None = None) -> PreOutputs:
+    """H_pre x, H_post, H_res and H_pre of one mHC site (one fused kernel launch on the CPU; on CUDA a phi split,
+    a projection pass and an apply pass: mhc_lab.kernels.pre_split).
 
     x: lanes [..., n, C]; phi [n^2+2n, nC], bias [n^2+2n], alpha [3], all float32 on x's device.
-    plan (CUDA only): 'auto', 'split', 'lookback' or 'cluster' (see mhc_lab.kernels.pre); tuning (CUDA only):
-    tile sizes overriding the plan's defaults (mhc_lab.kernels.pre_cuda), for benchmarks.
     """
     op = "mhc_pre_fused"
     n, C = _check_lanes("x", x, PRE_MAX_LANES, op)
@@ -129,7 +127,7 @@ def mhc_pre_fused(x, phi, bias, alpha, *, plan: str = "auto", tuning: dict | Non
     from mhc_lab.kernels.pre_cuda import run_pre_cuda
 
     with torch.cuda.device(device):
-        run_pre_cuda(xf, phi, bias, alpha, y, pre, post, res, plan=plan, **(tuning or {}))
+        run_pre_cuda(xf, phi, bias, alpha, y, pre, post, res)
     return out
 
 

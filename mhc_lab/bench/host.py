@@ -1,0 +1,57 @@
+"""What the host costs per site (part 'host' of the training benchmark, not among its default parts): the
+chained site's forward + backward at a small shape, where the GPU's work is a few microseconds per kernel, timed
+launched (wall clock per step) and as a CUDA graph (the GPU alone), with its kernels per step (profiler) and the
+Python functions that take the host's time (cProfile, own time)."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+
+import torch
+
+from mhc_lab.bench.common import graph_replay
+from mhc_lab.bench.kernels import kernel_times, kernel_totals
+from mhc_lab.bench.site import site_implementations, site_operands
+
+
+def wall_ms(step, repeat: int) -> float:
+    """Wall-clock milliseconds per call of step(), after three warm-up calls, the GPU synchronised at both ends."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeat):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / repeat * 1e3
+
+
+def bench_host(tokens: int = 256, C: int = 768, *, steps: int = 200, top: int = 25, log=print) -> dict:
+    """The chained site at tokens x C: launched and graph wall times, its kernels' GPU time and count, and the
+    ``top`` Python functions by own time per step."""
+    impls, _ = site_implementations({"compile", "eager", "tilekernels"})
+    leaves, g = site_operands(tokens, C)
+
+    def site():
+        return torch.autograd.grad(impls["ours_chained"](*leaves), leaves, g)
+
+    out = {"tokens": tokens, "C": C, "launched_ms": wall_ms(site, steps),
+           "graph_ms": wall_ms(graph_replay(site), steps)}
+    out["kernel_ms"], out["kernels_per_step"] = kernel_totals(kernel_times(site))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        site()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(((v[2] / steps * 1e6, v[1] / steps, f"{k[0].split('site-packages/')[-1]}:{k[1]}({k[2]})")
+                   for k, v in stats.stats.items()), reverse=True)[:top]
+    out["host_us_by_function"] = [{"us": round(us, 1), "calls": calls, "function": where} for us, calls, where in rows]
+    log(f"  host: site {tokens}x{C} chained: {out['launched_ms']:.3f} ms launched, {out['graph_ms']:.3f} ms as a "
+        f"CUDA graph, {out['kernels_per_step']:.0f} kernels ({out['kernel_ms']:.3f} ms of kernel time)")
+    for row in out["host_us_by_function"]:
+        log(f"    {row['us']:8.1f} us  {row['calls']:6.1f} calls  {row['function']}")
+    return {"site": out}

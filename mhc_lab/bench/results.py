@@ -1,0 +1,196 @@
+"""docs/results.md and the README's results table, written from the recordings in mhc_lab/recorded.
+
+    python -m mhc_lab.bench results            # rewrite docs/results.md and the README's table
+    python -m mhc_lab.bench results --check    # exit 1 if either is not what the recordings give
+
+Both are generated, never edited by hand, so every figure a reader sees is the recording's, with the date and GPU
+it was measured on; tests/test_results_docs.py fails when a recording changed and they were not regenerated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mhc_lab.measure.recordings import RECORDED_DIR, recorded_or_none
+
+ROOT = RECORDED_DIR.parent.parent
+RESULTS_MD = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
+README_BEGIN = "<!-- results -->"
+README_END = "<!-- end of results -->"
+
+
+def _measured(section: dict) -> str:
+    env = section.get("environment", {})
+    return f"{env.get('gpu', '?')}, {env.get('date', '?')}"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:+.1f}%"
+
+
+def _shape(row: dict) -> str:
+    return f"{row['tokens']} × {row['C']}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def forward_site_rows(forward: dict | None) -> tuple[list[str], list[list[str]], str]:
+    """One site's forward (n = 4, bf16): TileKernels against ours, and ours as a share of copy bandwidth."""
+    sites = (forward or {}).get("results", {}).get("sites")
+    if not sites:
+        return [], [], ""
+    header = ["shape (tokens × C)", "TileKernels ms", "ours ms", "ours / TileKernels", "ours, share of copy"]
+    rows = []
+    for row in sites["shapes"]:
+        t = row.get("time_ms", {})
+        ours, theirs = t.get("ours"), t.get("tilekernels")
+        share = row["min_bytes"] / (ours * 1e-3) / (sites["copy_gbps"] * 1e9) if ours else None
+        rows.append([_shape(row), _ms(theirs), _ms(ours), f"{ours / theirs:.2f}x" if ours and theirs else "-",
+                     f"{share:.0%}" if share else "-"])
+    return header, rows, _measured(sites)
+
+
+def training_site_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
+    """One site's forward + backward as a CUDA graph (the GPU's time) and launched from Python."""
+    site = (training or {}).get("results", {}).get("site")
+    if not site:
+        return [], [], ""
+    header = ["shape (tokens × C)", "TileKernels ms", "ours: separate ops / linked / chained ms",
+              "chained / TileKernels", "chained, launched ms"]
+    rows = []
+    for row in site["shapes"]:
+        g, launched = row.get("graph_ms", {}), row.get("launched_ms", {})
+        chained, theirs = g.get("ours_chained"), g.get("tilekernels")
+        rows.append([_shape(row), _ms(theirs),
+                     " / ".join(_ms(g.get(k)) for k in ("ours_separate", "ours_linked", "ours_chained")),
+                     f"{chained / theirs:.2f}x" if chained and theirs else "-", _ms(launched.get("ours_chained"))])
+    return header, rows, _measured(site)
+
+
+BLOCK_KINDS = {"mhc_ours": "mHC, our kernels", "mhc_ours_recompute": "mHC, our kernels, recompute",
+               "mhc_tilekernels": "mHC, TileKernels", "copy_floor": "the copy floor of mHC's bytes"}
+
+
+def block_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
+    """mHC's overhead on a transformer block (median of interleaved rounds), launched and as CUDA graphs."""
+    block = (training or {}).get("results", {}).get("block")
+    if not block:
+        return [], [], ""
+    widths = block["widths"]
+    header = ["overhead over the plain residual block"] + [f"C = {w['C']}: launched / graph" for w in widths]
+    rows = []
+    for kind, label in BLOCK_KINDS.items():
+        cells = []
+        for w in widths:
+            pair = [w.get(mode, {}).get("overhead_pct", {}).get(kind, {}).get("median") for mode in ("launched", "graph")]
+            cells.append(" / ".join(_pct(v) for v in pair))
+        if any(c != "- / -" for c in cells):
+            rows.append([label] + cells)
+    plain = ["plain residual block, ms"] + [
+        " / ".join(_ms(_median(w.get(mode, {}).get("rounds_ms", {}).get("residual"))) for mode in ("launched", "graph"))
+        for w in widths]
+    return header, [plain] + rows, _measured(block)
+
+
+def _median(values) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def results_markdown(recordings: dict) -> str:
+    forward, training = recordings.get("forward_h200"), recordings.get("training_h200")
+    out = ["# Results", "",
+           "Written by `python -m mhc_lab.bench results` from the recordings in `mhc_lab/recorded/` (never by hand).",
+           "Each table says where and when it was measured; each recording holds the command that regenerates it",
+           "and the full environment (driver, CUDA, torch, TileLang). n = 4 lanes, bf16 lanes, float32 coefficients.",
+           ""]
+    sections = [
+        ("One site's forward", forward_site_rows(forward),
+         "Pre and post with the layer taken as the identity; TileKernels is DeepSeek's fused implementation. The "
+         "share of copy is the least bytes a site must move over its time, against a device-to-device copy in the "
+         "same run."),
+        ("One site's forward + backward", training_site_rows(training),
+         "Gradients of the lanes, phi, bias and alpha for a random upstream gradient. Separate ops run pre and "
+         "post apart; a linked site sums the lanes' two gradients in one pass; a chained site (what a stack runs) "
+         "also has each post project its lanes for the next pre. Launched: op by op from Python, the host's time "
+         "included."),
+        ("mHC on a transformer block", block_rows(training),
+         "Attention + 4C MLP, 16384 tokens, forward + backward; overheads are the median over interleaved rounds. "
+         "The copy floor is the plain block plus device-to-device copies of the bytes mHC moves beyond it."),
+    ]
+    for title, (header, rows, measured), what in sections:
+        out += [f"## {title}", "", what, ""]
+        if rows:
+            out += _table(header, rows) + ["", f"Measured on {measured}.", ""]
+        else:
+            out += ["Not recorded yet.", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def readme_table(recordings: dict) -> str:
+    """At most eight rows: the headline figures, each with where and when."""
+    forward, training = recordings.get("forward_h200"), recordings.get("training_h200")
+    lines = ["| what (n = 4, bf16) | figure | measured |", "|---|---|---|"]
+    _, rows, measured = training_site_rows(training)
+    for r in rows[:3]:
+        lines.append(f"| site forward + backward at {r[0]}: TileKernels / ours (chained), CUDA graph | "
+                     f"{r[1]} / {r[2].split(' / ')[-1]} ms ({r[3]}) | {measured} |")
+    _, rows, measured = forward_site_rows(forward)
+    for r in rows[:2]:
+        lines.append(f"| site forward at {r[0]}: TileKernels / ours | {r[1]} / {r[2]} ms | {measured} |")
+    header, rows, measured = block_rows(training)
+    ours = next((r for r in rows if r[0] == BLOCK_KINDS["mhc_ours"]), None)
+    if ours:
+        for col, cell in zip(header[1:], ours[1:]):
+            lines.append(f"| mHC's overhead on a transformer block, {col} | {cell} | {measured} |")
+    return "\n".join(lines[:10])
+
+
+def readme_with_table(readme: str, table: str) -> str:
+    if README_BEGIN not in readme or README_END not in readme:
+        raise ValueError(f"README.md: expected the markers {README_BEGIN!r} and {README_END!r} around the results")
+    head, rest = readme.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_BEGIN}\n{table}\n{README_END}{tail}"
+
+
+def load_all() -> dict:
+    return {name: recorded_or_none(name) for name in ("forward_h200", "training_h200")}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhc_lab.bench results", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/results.md or the README's table is stale")
+    args = parser.parse_args(argv)
+    recordings = load_all()
+    wanted_md = results_markdown(recordings)
+    wanted_readme = readme_with_table(README.read_text(), readme_table(recordings))
+    if args.check:
+        stale = [p.name for p, text in ((RESULTS_MD, wanted_md), (README, wanted_readme))
+                 if not p.exists() or p.read_text() != text]
+        if stale:
+            print(f"stale: {', '.join(stale)}; run python -m mhc_lab.bench results")
+            return 1
+        print("docs/results.md and the README's table match the recordings")
+        return 0
+    RESULTS_MD.write_text(wanted_md)
+    README.write_text(wanted_readme)
+    print(f"wrote {RESULTS_MD.relative_to(ROOT)} and the README's results table")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""The mHC site as torch.library custom ops (``torch.ops.mhc_lab.*``): forward and backward of pre and post,
+each with both backends (mhc_lab.ops.dispatch), and their autograd.
+
+    pre_forward(x, phi, bias, alpha, backend[, partial_in])  -> y, post, res, pre, partial, link
+    post_forward(x, f, post, res, backend)                   -> the next lanes
+    post_forward_linked(x, link, f, post, res, backend[, phi_next]) -> the next lanes, partial_next
+    pre_backward(...), post_backward(...)                    -> the gradients (each an op of its own)
+
+Custom ops with their own backward ops let torch.compile trace a model around them without graph breaks, and
+let selective activation checkpointing recompute exactly these ops (``MHCResidualStream(recompute_block=...)``).
+
+A linked site (pre_forward's link handed to post_forward_linked) sums the lanes' two gradients inside the
+pre's backward: the post's backward either writes H_res^T g for kernel 2 to add, or (post_gradient_to_pre_for)
+hands g itself back and kernel 2 forms H_res^T g in the pass that writes dx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional
+
+import torch
+
+from mhc_lab.ops.dispatch import lane_splits, partial_splits, post_gradient_to_pre_for
+from mhc_lab.ops.forward import _DTYPE_NAMES, _describe
+from mhc_lab.reference.backward import post_backward as reference_post_backward
+from mhc_lab.reference.backward import pre_backward as reference_pre_backward
+from mhc_lab.reference.mhc import mhc_coefficients, mixes_width
+from mhc_lab.reference.mhc import mhc_post as reference_post
+from mhc_lab.reference.mhc import mhc_pre as reference_pre
+from mhc_lab.reference.validate import InputError, coefficient_dtype
+
+
+def no_autocast(fn):
+    """Run an op's implementation with autocast off: the coefficients stay float32 inside torch.autocast.
+    The two contexts are entered only where autocast is on: they cost about 5 us per op on a desktop CPU
+    against 0.3 us for the check, and an op runs on the host's critical path. (Defined in this module:
+    torch.library resolves an op's string annotations in the wrapper's globals.)"""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+            return fn(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """[1, T, n^2+2n+1]: the raw projections and sum of squares the backward starts from."""
+    tokens, n, C = x.shape
+    cd = coefficient_dtype(x)
+    flat = x.reshape(tokens, n * C).to(cd)
+    return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
+
+
+@torch.library.custom_op("mhc_lab::pre_forward", mutates_args=())
+@no_autocast
+def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str,
+                partial_in: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, n, C] -> (y [T, C], post [T, n], res [T, n, n], pre [T, n], partial [S, T, n^2+2n+1], link).
+
+    partial_in: the projection of x with this phi, made by the previous site's post (post_forward_linked with
+    phi_next): the kernels then skip their own projection pass, and the partial output is empty ([0]), since
+    the backward takes partial_in.
+
+    Coefficients and partial are float32 (float64 for float64 lanes, reference backend only). link stands for
+    the mixed lanes H_res x without holding them (a [T, n, C] view of one element, never read):
+    post_forward_linked adds H_res x itself, and hands back as link's gradient the lanes' gradient of its own
+    backward, H_res^T g, which this op's backward adds to its dx in the same pass (autograd would add the two dx
+    in another)."""
+    tokens, n, C = x.shape
+    link = _link(x)
+    projected = partial_in is not None
+    if projected:
+        _check_partial(partial_in, x, backend, "pre_forward")
+    if backend == "reference":
+        co = mhc_coefficients(x, phi, bias, alpha)
+        y = reference_pre(x, co.pre)
+        partial = _no_partial(x) if projected else _partial_reference(x, phi)
+        outputs = (y, co.post, co.res, co.pre, partial)
+        return (*(t.contiguous() for t in outputs), link)  # the custom op promises contiguous outputs
+    m = mixes_width(n)
+    y = torch.empty((tokens, C), dtype=x.dtype, device=x.device)
+    post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
+    res = torch.empty((tokens, n, n), dtype=torch.float32, device=x.device)
+    pre = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
+    phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
+    if x.device.type == "cuda":
+        from mhc_lab.kernels.pre_cuda import run_pre_cuda
+
+        partial = partial_in.contiguous() if projected else torch.empty(
+            (partial_splits(backend, x), tokens, m + 1), dtype=torch.float32, device=x.device)
+        if tokens:
+            with torch.cuda.device(x.device):
+                run_pre_cuda(x.contiguous(), phi32, bias32, alpha32, y, pre, post, res, partial=partial,
+                             projected=projected, splits=partial.shape[0])
+        return y, post, res, pre, _no_partial(x) if projected else partial, link
+    from mhc_lab.kernels.pre import pre_kernel_c, projection_kernel_c
+
+    partial = _no_partial(x) if projected else torch.empty((1, tokens, m + 1), dtype=torch.float32)
+    if tokens:
+        x32 = x.float().contiguous()
+        y32 = y if x.dtype == torch.float32 else torch.empty((tokens, C), dtype=torch.float32)
+        pre_kernel_c(n, C)(x32, phi32, bias32, alpha32, y32, pre, post, res)  # (the C program projects anyway)
+        if not projected:
+            projection_kernel_c(n, C)(x32, phi32, partial)
+        if y32 is not y:
+            y.copy_(y32)
+    return y, post, res, pre, partial, link
+
+
+def _link(x: torch.Tensor) -> torch.Tensor:
+    # a [T, n, C] view of one element whose value nothing reads (only link's gradient matters): empty, not
+    # zeros, so that a site's forward launches no fill kernel for it
+    return x.new_empty(1).expand(x.shape)
+
+
+def _no_partial(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty((0,), dtype=coefficient_dtype(x), device=x.device)
+
+
+def _check_partial(partial: torch.Tensor, x: torch.Tensor, backend: str, op: str) -> None:
+    tokens, n, _ = x.shape
+    shape = (partial_splits(backend, x, chained=True), tokens, mixes_width(n) + 1)
+    if tuple(partial.shape) != shape or partial.dtype != coefficient_dtype(x) or partial.device != x.device:
+        raise InputError(f"{op}: partial_in: expected shape {shape}, dtype {coefficient_dtype(x)} on {x.device} "
+                         f"(backend {backend!r}), got {_describe(partial)}")
+
+
+@pre_forward.register_fake
+def _(x, phi, bias, alpha, backend, partial_in=None):
+    tokens, n, C = x.shape
+    m = mixes_width(n)
+    cd = dict(dtype=coefficient_dtype(x), device=x.device)
+    splits = partial_splits(backend, x)
+    partial = _no_partial(x) if partial_in is not None else x.new_empty((splits, tokens, m + 1), **cd)
+    return (x.new_empty((tokens, C)), x.new_empty((tokens, n), **cd), x.new_empty((tokens, n, n), **cd),
+            x.new_empty((tokens, n), **cd), partial, _link(x))
+
+
+def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, *, add_dx: bool, post_grad: bool):
+    """Kernel 1 of the pre backward run on x's device (kernels backend), and kernel 2 built for what follows
+    it: (lanes, its leading operands, dlogit, extra, dphi_partial). The leading operands are x and dy, kernel
+    1's outputs as kernel 2 takes them (CUDA: dsplit and coef; C target: H_pre, dmix and extra, in float32) and
+    phi; dphi_partial is kernel 2's dphi output in its layout (zeros when there are no tokens; _parameter_grads
+    sums it)."""
+    from mhc_lab.kernels.pre_backward import pre_backward_kernels
+
+    tokens, n, C = x.shape
+    m = mixes_width(n)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
+    phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
+    dpost, dres = dpost.float().contiguous(), dres.float().contiguous()
+    alloc = torch.empty if tokens else torch.zeros
+    if x.device.type == "cuda":
+        from mhc_lab.kernels.pre_backward_lanes import dphi_partial_shape
+        from mhc_lab.kernels.pre_backward_operands import coef_width, gemm_depth
+
+        splits = lane_splits(n, C, x.device, add_dx, post_grad)
+        coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
+                                                   lane_splits=splits, add_dx=add_dx, post_grad=post_grad)
+        dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
+        coef = torch.empty((tokens, coef_width(n)), **f32)
+        xc, dyc = x.contiguous(), dy.contiguous()
+        if tokens:
+            with torch.cuda.device(x.device):
+                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit, dmix,
+                             extra, dsplit, coef)
+        dphi_partial = alloc(dphi_partial_shape(splits, n, C), **f32)
+        return lanes, (xc, dyc, dsplit, coef, phi32), dlogit, extra, dphi_partial
+    coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=add_dx,
+                                               post_grad=post_grad)
+    x32, dy32 = x.float().contiguous(), dy.float().contiguous()
+    if tokens:
+        coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
+    return lanes, (x32, dy32, pre.contiguous(), dmix, extra, phi32), dlogit, extra, alloc((1, m, n * C), **f32)
+
+
+def _parameter_grads(dphi_partial, dlogit, extra, n: int, phi, bias, alpha) -> tuple:
+    """(dphi, dbias, dalpha) from kernel 2's dphi partial sums (CUDA's split layout, or the C target's one row
+    of them) and kernel 1's per-token dlogit and extra, summed over the tokens."""
+    from mhc_lab.kernels.pre_backward_lanes import dphi_from_partial
+
+    dphi = dphi_from_partial(dphi_partial, n) if dphi_partial.device.type == "cuda" else dphi_partial.sum(0)
+    # extra's four columns summed whole, then cut: its three-column slice is strided, and torch summed it in two
+    # thread blocks (11 us at 16384 tokens on the H200)
+    return dphi.to(phi.dtype), dlogit.sum(0).to(bias.dtype), extra.sum(0)[:3].to(alpha.dtype)
+
+
+@torch.library.custom_op("mhc_lab::pre_backward", mutates_args=())
+@no_autocast
+def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
+                 partial: torch.Tensor, res: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor,
+                 dx_post: Optional[torch.Tensor], backend: str, post_grad: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res, and dx_post, the
+    gradient of link when a post_forward_linked used it (the post's gradient of the lanes), added to dx. With
+    post_grad, dx_post is instead the linked post's output gradient g, and H_res^T g is added (computed here,
+    in the pass that writes dx, so that the post's backward need not write it)."""
+    tokens, n, C = x.shape
+    linked = dx_post is not None
+    post_grad = post_grad and linked
+    add_dx = linked and not post_grad  # the kernel adds dx_post as it is
+    if backend == "reference":
+        cd = res.dtype
+        grads = reference_pre_backward(x, phi, bias, alpha, dy, dpost, dres)
+        if post_grad:
+            dx_post = torch.einsum("tij,tic->tjc", res.to(cd), dx_post.to(cd))
+        dx = grads.x + dx_post.to(cd) if linked else grads.x
+        return tuple(t.to(leaf.dtype).contiguous() for t, leaf in zip((dx, *grads[1:]), (x, phi, bias, alpha)))
+    dx = torch.empty_like(x)
+    lanes, lead, dlogit, extra, dphi_partial = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost,
+                                                                       dres, add_dx=add_dx, post_grad=post_grad)
+    if tokens:
+        cuda = x.device.type == "cuda"
+        work = x.dtype if cuda else torch.float32  # the C target computes in float32
+        more = [dx_post.to(work).contiguous()] if linked else []
+        if post_grad:
+            more.append(res.float().contiguous())
+        out = dx if dx.dtype == work else torch.empty(x.shape, dtype=work, device=x.device)
+        with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+            lanes(*lead, *more, out, dphi_partial)
+        if out is not dx:
+            dx.copy_(out)
+    return (dx, *_parameter_grads(dphi_partial, dlogit, extra, n, phi, bias, alpha))
+
+
+@pre_backward.register_fake
+def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, backend, post_grad=False):
+    return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
+
+
+def _pre_setup_context(ctx, inputs, output):
+    x, phi, bias, alpha, backend, partial_in = inputs
+    _, _, res, pre, partial, _ = output
+    ctx.backend = backend
+    ctx.post_grad = post_gradient_to_pre_for(x, backend)  # what a linked post's backward hands back (decided now)
+    ctx.save_for_backward(x, phi, bias, alpha, pre, partial if partial_in is None else partial_in, res)
+    ctx.mark_non_differentiable(pre, partial)
+    # an unused output's gradient must arrive as None: materialised, the unused link would hand the backward a
+    # zero [T, n, C] gradient to add and turn a separate site's pre backward into the linked one (more bytes)
+    ctx.set_materialize_grads(False)
+
+
+def _pre_output_grads(x, pre, dy, dpost, dres) -> tuple:
+    """The gradients of a pre's outputs y, post and res as its backward takes them: contiguous, zeros where
+    autograd gave None (an output nothing used)."""
+    tokens, n, C = x.shape
+    dy = torch.zeros((tokens, C), dtype=x.dtype, device=x.device) if dy is None else dy
+    dpost = torch.zeros_like(pre) if dpost is None else dpost
+    dres = torch.zeros((tokens, n, n), dtype=pre.dtype, device=x.device) if dres is None else dres
+    return dy.contiguous(), dpost.contiguous(), dres.contiguous()
+
+
+def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
+    x, phi, bias, alpha, pre, partial, res = ctx.saved_tensors
+    dx_post = None if dlink is None else dlink.contiguous()
+    dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res,
+                                           *_pre_output_grads(x, pre, dy, dpost, dres), dx_post, ctx.backend,
+                                           ctx.post_grad)
+    return dx, dphi, dbias, dalpha, None, None
+
+
+pre_forward.register_autograd(_pre_backward, setup_context=_pre_setup_context)
+
+
+@torch.library.custom_op("mhc_lab::post_forward", mutates_args=())
+@no_autocast
+def post_forward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, backend: str
+                 ) -> torch.Tensor:
+    """x [T, n, C], f [T, C], post [T, n], res [T, n, n] -> the next lanes [T, n, C]."""
+    if backend == "reference":
+        return reference_post(x, f, post, res).contiguous()
+    from mhc_lab.ops.forward import mhc_post_fused
+
+    return mhc_post_fused(x.contiguous(), f.contiguous(), post.float().contiguous(), res.float().contiguous())
+
+
+@post_forward.register_fake
+def _(x, f, post, res, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mhc_lab::post_backward", mutates_args=())
+@no_autocast
+def post_backward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, g: torch.Tensor,
+                  backend: str, lanes_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """(dx, df, dpost, dres) of post_forward, given the gradient g of the next lanes; without lanes_grad dx is
+    not computed (an empty tensor in its place): a linked pre's backward adds H_res^T g itself."""
+    tokens, n, C = x.shape
+    if backend == "reference":
+        grads = reference_post_backward(x, f, post, res, g)
+        out = [gr.to(leaf.dtype).contiguous() for gr, leaf in zip(grads, (x, f, post, res))]
+        return (out[0] if lanes_grad else _no_lanes_grad(x), *out[1:])
+    from mhc_lab.kernels.post_backward import post_backward_kernel
+
+    f32 = dict(dtype=torch.float32, device=x.device)
+    dpost, dres = torch.empty((tokens, n), **f32), torch.empty((tokens, n, n), **f32)
+    dx, df = torch.empty_like(x) if lanes_grad else _no_lanes_grad(x), torch.empty_like(f)
+    post32, res32 = post.float().contiguous(), res.float().contiguous()
+    if tokens == 0:
+        return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
+    if x.device.type == "cuda":
+        dtype = _DTYPE_NAMES[x.dtype]
+        with torch.cuda.device(x.device):
+            post_backward_kernel(n, C, dtype, "cuda", lanes_grad=lanes_grad)(
+                x.contiguous(), f.contiguous(), g.contiguous(), post32, res32, *([dx] if lanes_grad else []), df,
+                dpost, dres)
+    else:
+        args = [t.float().contiguous() for t in (x, f, g)]
+        dx32 = dx if x.dtype == torch.float32 or not lanes_grad else torch.empty(x.shape, **f32)
+        df32 = df if x.dtype == torch.float32 else torch.empty(f.shape, **f32)
+        post_backward_kernel(n, C, "float32", "c", lanes_grad=lanes_grad)(
+            args[0], args[1], args[2], post32, res32, *([dx32] if lanes_grad else []), df32, dpost, dres)
+        if dx32 is not dx:
+            dx.copy_(dx32)
+        if df32 is not df:
+            df.copy_(df32)
+    return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
+
+
+def _no_lanes_grad(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((0,))
+
+
+@post_backward.register_fake
+def _(x, f, post, res, g, backend, lanes_grad=True):
+    return (torch.empty_like(x) if lanes_grad else _no_lanes_grad(x)), torch.empty_like(f), torch.empty_like(post), \
+        torch.empty_like(res)
+
+
+def _post_setup_context(ctx, inputs, output):
+    x, f, post, res, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(x, f, post, res)
+
+
+def _post_backward(ctx, g):
+    x, f, post, res = ctx.saved_tensors
+    dx, df, dpost, dres = post_backward(x, f, post, res, g.contiguous(), ctx.backend)
+    return dx, df, dpost, dres, None
+
+
+post_forward.register_autograd(_post_backward, setup_context=_post_setup_context)
+
+
+@torch.library.custom_op("mhc_lab::post_forward_linked", mutates_args=())
+@no_autocast
+def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, post: torch.Tensor,
+                        res: torch.Tensor, backend: str, phi_next: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the next lanes link + H_post f, partial_next), where link (from pre_forward on the same x) stands for
+    H_res x, which is computed here from x and res. Its backward is post_forward's, except that the lanes'
+    gradient H_res^T g goes back as link's gradient (to pre_forward's backward, which adds it to its own dx),
+    not as x's.
+
+    phi_next: the next site's phi. The next lanes are then also projected with it while they are on chip
+    (kernels/post_project.py), and partial_next [S, T, n^2+2n+1] is what the next pre_forward takes as
+    partial_in; without phi_next partial_next is empty ([0]). partial_next carries no gradient: the next
+    pre's backward differentiates its projection itself."""
+    if phi_next is None:
+        return post_forward(x, f, post, res, backend), _no_partial(x)
+    tokens, n, C = x.shape
+    if backend == "reference":
+        out = reference_post(x, f, post, res).contiguous()
+        return out, _partial_reference(out, phi_next).contiguous()
+    m = mixes_width(n)
+    post32, res32, phi32 = post.float().contiguous(), res.float().contiguous(), phi_next.float().contiguous()
+    from mhc_lab.kernels.post_project import post_project_kernel
+
+    if x.device.type == "cuda":
+        from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
+
+        splits = partial_splits(backend, x, chained=True)
+        out = torch.empty_like(x)
+        partial = torch.empty((splits, tokens, m + 1), dtype=torch.float32, device=x.device)
+        if tokens:
+            with torch.cuda.device(x.device):
+                phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
+                phi_split_kernel(n, C, "cuda")(phi32, phi_hl)
+                post_project_kernel(n, C, "bfloat16", "cuda", splits=splits)(
+                    x.contiguous(), f.contiguous(), post32, res32, phi_hl, out, partial)
+        return out, partial
+    partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
+    if x.dtype != torch.float32:
+        # the C target computes in float32: the next pre must get the projection of the lanes as stored in the
+        # stream's dtype, so round them first and project them in a pass of their own
+        from mhc_lab.kernels.pre import projection_kernel_c
+
+        out = post_forward(x, f, post, res, backend)
+        if tokens:
+            projection_kernel_c(n, C)(out.float().contiguous(), phi32, partial)
+        return out, partial
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if tokens:
+        post_project_kernel(n, C, "float32", "c")(x.contiguous(), f.float().contiguous(), post32, res32, phi32, out,
+                                                  partial)
+    return out, partial
+
+
+@post_forward_linked.register_fake
+def _(x, link, f, post, res, backend, phi_next=None):
+    if phi_next is None:
+        return torch.empty_like(x), _no_partial(x)
+    tokens, n, _ = x.shape
+    splits = partial_splits(backend, x, chained=True)
+    return torch.empty_like(x), x.new_empty((splits, tokens, mixes_width(n) + 1), dtype=coefficient_dtype(x))
+
+
+def _post_linked_setup_context(ctx, inputs, output):
+    x, _, f, post, res, backend, _ = inputs
+    ctx.backend = backend
+    ctx.post_grad = post_gradient_to_pre_for(x, backend)  # as the linked pre_forward decided it, in the same forward
+    ctx.save_for_backward(x, f, post, res)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _post_linked_backward(ctx, g, _dpartial):
+    x, f, post, res = ctx.saved_tensors
+    g = g.contiguous()
+    dx, df, dpost, dres = post_backward(x, f, post, res, g, ctx.backend, not ctx.post_grad)
+    # the lanes' gradient goes back through link: H_res^T g, or g itself for the pre's backward to finish
+    return None, g if ctx.post_grad else dx, df, dpost, dres, None, None
+
+
+post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
+
