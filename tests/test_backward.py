@@ -912,6 +912,30 @@ def test_ops_refuse_bad_input_clearly():
         MHCConnection(4, 8)(torch.randn(2, 3, 8), torch.tanh)
 
 
+def test_ops_name_transposed_lanes():
+    """Lanes passed as [..., C, n] to the ops: the error names x (phi's n^2+2n rows say n), not phi."""
+    from mhc_lab.ops import MHCConnection, mhc_pre as op_pre, mhc_site as op_site
+
+    x, phi, bias, alpha, _ = _site_inputs((3,), 4, 8)
+    swapped = x.transpose(-2, -1)
+    message = (r"^mhc_pre: x: expected lanes \[\.\.\., n, C\] with n = 4 \(phi has n\^2\+2n = 24 rows\); "
+               r"got \[\.\.\., C, n\]\? x has shape \(3, 8, 4\)")
+    for backend in ("auto", "reference", "kernels"):
+        with pytest.raises(InputError, match=message):
+            op_pre(swapped, phi, bias, alpha, backend=backend)
+    with pytest.raises(InputError, match=r"^mhc_site: x: expected lanes \[\.\.\., n, C\] with n = 4"):
+        op_site(swapped.float(), phi.float(), bias.float(), alpha.float(), torch.tanh, backend="kernels")
+    with pytest.raises(InputError, match=r"x: expected lanes \[\.\.\., n, C\] with n = 2 \(phi has n\^2\+2n = 8 rows\)"):
+        x2, phi2, bias2, alpha2, _ = _site_inputs((5,), 2, 33)
+        op_pre(x2.transpose(-2, -1), phi2, bias2, alpha2)
+    with pytest.raises(InputError, match=r"^phi: |^mhc_pre: phi: expected shape \(24, 32\)"):
+        op_pre(x, phi[:, :8], bias, alpha)  # phi wrong in both layouts: still phi's error
+    with pytest.raises(InputError, match=r"expected n = 4 lanes in dim -2 .*lanes \[\.\.\., C, n\]\?"):
+        MHCConnection(4, 8)(swapped.float(), torch.tanh)
+    y, _, _ = op_pre(x, phi, bias, alpha)  # the right layout still runs
+    assert y.shape == (3, 8)
+
+
 # ------------------------------------------------------------------------------------------------- CUDA
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA backward kernels run only there")

@@ -157,6 +157,35 @@ def test_cuda_kernels_match_references(C, dtype):
         assert torch.equal(elementwise.copy(x), x)
 
 
+@pytest.mark.parametrize("augmented", (False, True), ids=("s = s + ...", "s += ..."))
+def test_python_accumulator_is_named_without_the_ir(augmented, capfd):
+    """Exercise 5.2 with a running sum in a Python variable: TVM's error (an IR dump) or its compile error becomes
+    one message that names the local buffer, with no chained traceback and nothing of TVM's on stderr."""
+    from mhc_lab.course.checks import CheckFailed, run_check
+    from mhc_lab.course.exercises.lab05 import _sumsq_python_variable
+
+    with pytest.raises(CheckFailed) as failure:
+        run_check("5.2", _sumsq_python_variable(augmented))
+    message = str(failure.value)
+    assert message.startswith("C=33, block_rows=4: ")
+    assert "a Python accumulator" in message
+    assert 'total = T.alloc_local((1,), "float32"); total[0] = 0.0' in message and "total[0] += ..." in message
+    for dump in ("Frame", "T.Buffer", "T.int32", "Immutable", "InternalError", "\n"):
+        assert dump not in message, f"{dump!r} in the message: {message}"
+    assert failure.value.__cause__ is None and failure.value.__suppress_context__
+    captured = capfd.readouterr()
+    assert "Warning" not in captured.err and "TVMScript" not in captured.err, captured.err
+
+
+def test_python_accumulator_is_in_a_hint(capsys):
+    from mhc_lab.course.checks import hint
+
+    hint("5.2", 1)
+    out = capsys.readouterr().out
+    assert "Not in a Python variable (s = 0.0, then s = s + ... in the loop)" in out
+    assert "total[0] += ..." in out
+
+
 def test_bench_cpu_path_writes_a_recording(tmp_path, capsys):
     assert bench_tilelang.main(["--device", "cpu", "--repeat", "1", "--quick", "--out", str(tmp_path)]) == 0
     recorded = json.loads((tmp_path / "tilelang_cpu.json").read_text())

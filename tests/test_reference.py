@@ -349,6 +349,29 @@ def test_mhc_coefficients_bad_input_says_what_was_expected():
         ManifoldHyperConnection(2, 8).coefficients(x)
 
 
+def test_transposed_lanes_are_named_not_phi():
+    """Lanes passed as [..., C, n]: phi's rows (n^2+2n) fit x's last dim, so the error names x, not phi."""
+    x = torch.randn(3, 4, 8)
+    phi, bias, alpha = torch.zeros(24, 32), torch.zeros(24), torch.zeros(3)
+    message = (r"^x: expected lanes \[\.\.\., n, C\] with n = 4 \(phi has n\^2\+2n = 24 rows\); got \[\.\.\., C, n\]\? "
+               r"x has shape \(3, 8, 4\)")
+    with pytest.raises(InputError, match=message):
+        mhc_coefficients(x.transpose(-2, -1), phi, bias, alpha)
+    with pytest.raises(InputError, match=r"x\.transpose\(-2, -1\)"):
+        mhc_coefficients(x.transpose(-2, -1).contiguous(), phi, bias, alpha)
+    # phi that fits neither layout is still phi's error; lanes that fit are untouched; n == C cannot be told apart
+    with pytest.raises(InputError, match=r"^phi: expected shape \(24, 32\), got shape \(24, 8\)"):
+        mhc_coefficients(x, torch.zeros(24, 8), bias, alpha)
+    with pytest.raises(InputError, match=r"^phi: expected shape \(80, 32\)"):
+        mhc_coefficients(x.transpose(-2, -1), torch.zeros(24, 16), bias, alpha)
+    assert mhc_coefficients(x, phi, bias, alpha).res.shape == (3, 4, 4)
+    square = torch.randn(2, 3, 3)
+    assert mhc_coefficients(square.transpose(-2, -1), torch.zeros(15, 9), torch.zeros(15), alpha).pre.shape == (2, 3)
+    # a site module knows its n: lanes whose last dim is n look swapped
+    with pytest.raises(InputError, match=r"expected n = 4 lanes in dim -2 .*got shape \(3, 8, 4\).*lanes \[\.\.\., C, n\]\?"):
+        ManifoldHyperConnection(4, 8).coefficients(x.transpose(-2, -1))
+
+
 # ---- Amax gain ----------------------------------------------------------------------------------------------
 
 

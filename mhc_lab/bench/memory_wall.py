@@ -135,13 +135,16 @@ def run(device="auto", tokens: int | None = None, widths=None, n: int = 4, dtype
 def lane_sweep(tokens: int, C: int, ns=(1, 2, 4, 8), device="cpu", dtype: torch.dtype = torch.float32,
                repeat: int = 5, progress: bool = True) -> list[dict]:
     """Forward time (fastest of ``repeat`` calls) of the residual merge, the HC site and the mHC site for each n
-    at one (tokens, C), with the operations each launches: the data for 'n lanes cost far more than n times'."""
+    at one (tokens, C), with the operations each launches: the data for 'n lanes cost far more than n times'.
+    Each row also says where it was timed: the device and, on a CPU, PyTorch's threads (the labs' setup() pins
+    them to one; see mhc_lab.course.setup)."""
     from tqdm.auto import tqdm
 
     device = torch.device(device)
+    where = timing_label(device)
     out = []
     for n in tqdm(list(ns), desc="lanes", disable=not progress):
-        row = {"n": n, "tokens": tokens, "C": C}
+        row = {"n": n, "tokens": tokens, "C": C, "where": where, "repeat": repeat}
         for name in ("residual", "hc", "mhc"):
             layer = make_layer(name, tokens, n, C, device, dtype)
             # the fastest call: on a busy machine the least disturbed one, so the ratios between layers hold
@@ -151,8 +154,20 @@ def lane_sweep(tokens: int, C: int, ns=(1, 2, 4, 8), device="cpu", dtype: torch.
     return out
 
 
+def timing_label(device) -> str:
+    """Where a timing runs, as figure titles say it: "CPU, 1 thread" (PyTorch's threads now), or the GPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"GPU: {torch.cuda.get_device_name(device)}"
+    threads = torch.get_num_threads()
+    return f"CPU, {threads} thread{'s' if threads != 1 else ''}"
+
+
 def lane_sweep_figure(sweep: list[dict]):
-    """Time relative to the plain residual against n, beside 'n times' and the bytes model's ratio (plotly)."""
+    """Time relative to the plain residual against n, beside 'n times' and the bytes model's ratio (plotly).
+
+    The title says what was measured (time per forward call, where, the shape), not what it shows: on a busy
+    machine a learner's numbers may show something else, and the figure must not contradict them."""
     import plotly.graph_objects as go
 
     ns = [r["n"] for r in sweep]
@@ -170,7 +185,11 @@ def lane_sweep_figure(sweep: list[dict]):
             hovertext=[f"{r[name + '_launches']} launches" for r in sweep]))
     fig.update_xaxes(title="lanes n", tickvals=ns)
     fig.update_yaxes(title="time / time of the plain residual", type="log")
-    fig.update_layout(title=f"n lanes cost far more than n times ({sweep[0]['tokens']} tokens, C = {C})",
+    first = sweep[0]
+    measured = ", ".join(part for part in (first.get("where"), f"{first['tokens']} tokens, C = {C}",
+                                          f"fastest of {first['repeat']} calls" if "repeat" in first else None)
+                         if part)
+    fig.update_layout(title=f"Time per forward call, n lanes, relative to the plain residual ({measured})",
                       height=420, legend=dict(font=dict(size=10)))
     return fig
 
@@ -228,13 +247,15 @@ def slowdown(results: list[dict], C: int | None = None, direction: str = "forwar
     return {f"{_NAMES.get(r['layer'], r['layer'])} ({r['mode']})": r["median_s"] / base for r in mine}
 
 
-def comparison_figure(local: list[dict], recording: dict | None):
-    """Slowdown against the plain residual: this machine (live) beside the recording (labelled), plotly."""
+def comparison_figure(local: list[dict], recording: dict | None, where: str | None = None):
+    """Slowdown against the plain residual: this machine (live) beside the recording (labelled), plotly.
+    ``where``: how the live rows were timed, for the legend (e.g. "CPU, 1 thread", timing_label())."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
     here = slowdown(local)
-    fig.add_trace(go.Bar(name=f"this machine (live, C = {local[0]['C']})", x=list(here), y=list(here.values())))
+    live = ", ".join(part for part in ("live", where, f"C = {local[0]['C']}") if part)
+    fig.add_trace(go.Bar(name=f"this machine ({live})", x=list(here), y=list(here.values())))
     if recording is not None:
         rec = recording["results"]["rows"]
         widest = max(r["C"] for r in rec)
@@ -243,7 +264,8 @@ def comparison_figure(local: list[dict], recording: dict | None):
         fig.add_trace(go.Bar(name=f"RECORDED: {env.get('gpu') or 'a CPU'}, {env.get('date')} (C = {widest})",
                              x=list(there), y=list(there.values()), marker_pattern_shape="/"))
     fig.update_layout(barmode="group", height=400, yaxis_title="time / time of the plain residual add",
-                      title="How much slower than the plain residual? (forward, n = 4)")
+                      title="Time per forward call relative to the plain residual add (n = 4, median of the "
+                            "timed calls)")
     fig.update_yaxes(type="log")
     return fig
 

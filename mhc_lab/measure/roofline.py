@@ -77,7 +77,8 @@ def measure_roof(device: torch.device | str, small: bool = True) -> Roof:
         tflops = measure_matmul_tflops(device, size=512 if small else 2048)
         import platform
 
-        name = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+        threads = torch.get_num_threads()
+        name = f"CPU ({platform.machine()}, {threads} thread{'s' if threads != 1 else ''})"
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     return Roof(name, bandwidth, tflops, dtype)
 
@@ -87,12 +88,20 @@ def roofline_figure(roof: Roof, points: list[dict] | None = None, title: str | N
     """Plotly roofline (log-log): attainable GFLOP/s against FLOP per byte, with points placed on it.
 
     Each point is {"name", "flops", "bytes", "seconds"}: its intensity is flops / bytes, its height the
-    achieved GFLOP/s (or, for a kernel with ~no FLOPs, its bytes/seconds drawn on the bandwidth roof).
+    achieved GFLOP/s. The x axis spans 1e-2 to past the ridge, widened to take in every point with FLOPs.
+
+    A kernel with no FLOPs (a copy) has intensity 0, which a log axis cannot show. It is drawn at the plot's
+    left edge, as a left-pointing triangle labelled "0 FLOP/byte", at the height its measured bytes per second
+    reach there: on the slope of the bandwidth roof when it streams at the roof's rate, below it by as much as
+    it falls short (its GB/s is in its label and hover text).
     """
     import numpy as np
     import plotly.graph_objects as go
 
-    lo, hi = 1e-2, max(1e3, roof.ridge * 20)
+    points = list(points or [])
+    intensities = [p["flops"] / p["bytes"] for p in points if p["flops"] > 0]
+    lo = min([1e-2] + [v / 2 for v in intensities])
+    hi = max([1e3, roof.ridge * 20] + [v * 2 for v in intensities])
     x = np.logspace(np.log10(lo), np.log10(hi), 200)
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=x, y=[roof.attainable_gflops(v) for v in x], mode="lines",
@@ -102,14 +111,25 @@ def roofline_figure(roof: Roof, points: list[dict] | None = None, title: str | N
         fig.add_trace(go.Scatter(
             x=x, y=[min(spec["bf16_tflops"] * 1e3, spec["bandwidth_gbs"] * v) for v in x], mode="lines",
             line=dict(dash="dot"), name=f"spec sheet ({spec['bandwidth_gbs']:.0f} GB/s, {spec['bf16_tflops']:.0f} TFLOP/s)"))
-    for p in points or []:
-        intensity = max(p["flops"], 1.0) / p["bytes"]
-        achieved = max(p["flops"], 1.0) / p["seconds"] / 1e9
+    for p in points:
         gbs = p["bytes"] / p["seconds"] / 1e9
-        fig.add_trace(go.Scatter(
-            x=[intensity], y=[achieved], mode="markers+text", text=[p["name"]], textposition="top center",
-            name=p["name"], hovertext=[f"{gbs:.1f} GB/s, {achieved:.2f} GFLOP/s, {p['seconds'] * 1e3:.3f} ms"]))
-    fig.update_xaxes(type="log", title="arithmetic intensity (FLOP per byte moved)")
+        if p["flops"] > 0:
+            intensity = p["flops"] / p["bytes"]
+            achieved = p["flops"] / p["seconds"] / 1e9
+            style = dict(textposition="top center")
+            label = p["name"]
+            hover = f"{intensity:.3g} FLOP/byte, {gbs:.1f} GB/s, {achieved:.2f} GFLOP/s, {p['seconds'] * 1e3:.3f} ms"
+        else:  # no FLOPs: intensity 0, drawn at the left edge on its own bandwidth slope
+            intensity = lo
+            achieved = gbs * lo
+            style = dict(textposition="top right", cliponaxis=False, marker=dict(symbol="triangle-left", size=12))
+            label = f"{p['name']}: 0 FLOP/byte, {gbs:.1f} GB/s"
+            hover = (f"0 FLOPs: intensity 0, drawn at the left edge ({lo:g} FLOP/byte) at {gbs:.1f} GB/s x {lo:g} "
+                     f"FLOP/byte; {p['seconds'] * 1e3:.3f} ms")
+        fig.add_trace(go.Scatter(x=[intensity], y=[achieved], mode="markers+text", text=[label], name=label,
+                                 hovertext=[hover], **style))
+    fig.update_xaxes(type="log", range=[np.log10(lo), np.log10(hi)],
+                     title="arithmetic intensity (FLOP per byte moved)")
     fig.update_yaxes(type="log", title="GFLOP/s")
     fig.update_layout(title=title or f"Roofline of {roof.device}", height=450, legend=dict(font=dict(size=10)))
     return fig

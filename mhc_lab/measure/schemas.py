@@ -406,19 +406,6 @@ TRAINING = obj("The training benchmark (mhc_lab.bench.training), one section per
 
 # ---- the course run in full mode --------------------------------------------------------------------------------
 
-COURSE_RUN = obj("The solutions executed headless in full mode (build/course/summary.json of the command).",
-                 required={
-    "size": text("small or full."),
-    "device": text("auto, cpu or cuda."),
-    "notebooks": array("One entry per notebook.", obj("One notebook.", required={
-        "notebook": text("File name."), "seconds": number("Time to execute it."), "ok": flag("No error."),
-        "errors": array("Cells that raised.", Spec("any", "An error.")),
-        "failure": text("Why it failed to run, if it did.", nullable=True),
-        "passed": array("Exercises whose checks passed.", text("Exercise.")),
-    }, optional={"environment": ENVIRONMENT})),
-})
-
-
 # ---- the recordings ---------------------------------------------------------------------------------------------
 
 
@@ -436,8 +423,6 @@ SCHEMAS = {s.name: s for s in (
     RecordingSchema("forward_h200", "python -m mhc_lab.bench forward", FORWARD, ("sites", "reference")),
     RecordingSchema("training_h200", "python -m mhc_lab.bench training", TRAINING,
                     ("site", "block", "block_kernels", "host")),
-    RecordingSchema("course_run_h200_full", "python -m mhc_lab.classroom.cli run --size full --device cuda",
-                    COURSE_RUN),
 )}
 
 

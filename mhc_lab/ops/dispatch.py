@@ -17,7 +17,7 @@ import torch
 
 from mhc_lab.ops.forward import _describe
 from mhc_lab.reference.mhc import mixes_width
-from mhc_lab.reference.validate import InputError, require_lanes, require_tensor
+from mhc_lab.reference.validate import InputError, require_lanes, require_lanes_not_transposed, require_tensor
 
 BACKENDS = ("auto", "reference", "kernels")
 KERNEL_MAX_LANES = 8
@@ -62,6 +62,7 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 def check_site(x, phi, bias, alpha, op: str) -> tuple[int, int]:
     """(n, C) of the lanes x [..., n, C], after checking that phi, bias and alpha fit them."""
     n, C = require_lanes("x", x)
+    require_lanes_not_transposed("x", x, phi, op)
     m = mixes_width(n)
     for name, value, shape in (("phi", phi, (m, n * C)), ("bias", bias, (m,)), ("alpha", alpha, (3,))):
         require_tensor(name, value)

@@ -28,6 +28,7 @@ from mhc_lab.reference.validate import (
     InputError,
     coefficient_dtype,
     require_lanes,
+    require_lanes_not_transposed,
     require_positive_int,
     require_shape,
     require_trailing,
@@ -58,6 +59,7 @@ def mhc_coefficients(
 ) -> MHCCoefficients:
     """H_pre, H_post, H_res for every token of x (Eqs. 7-9), in float32 (float64 for float64 input)."""
     n, C = require_lanes("x", x)
+    require_lanes_not_transposed("x", x, phi)
     k = mixes_width(n)
     require_shape("phi", phi, (k, n * C))
     require_shape("bias", bias, (k,))

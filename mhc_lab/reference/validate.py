@@ -30,10 +30,31 @@ def require_lanes(name: str, x, n: int | None = None) -> tuple[int, int]:
         raise InputError(f"{name}: expected a floating-point tensor, got {_describe(x)}")
     lanes, width = x.shape[-2], x.shape[-1]
     if n is not None and lanes != n:
-        raise InputError(f"{name}: expected n = {n} lanes in dim -2 of [..., n, C], got {_describe(x)}")
+        swapped = " (the last two dims look swapped: lanes [..., C, n]?)" if width == n else ""
+        raise InputError(f"{name}: expected n = {n} lanes in dim -2 of [..., n, C], got {_describe(x)}{swapped}")
     if lanes < 1 or width < 1:
         raise InputError(f"{name}: expected n >= 1 and C >= 1, got {_describe(x)}")
     return lanes, width
+
+
+def require_lanes_not_transposed(name: str, x: torch.Tensor, phi, op: str = "") -> None:
+    """Refuse lanes passed as [..., C, n]: phi [n^2+2n, nC] says which of x's last two dims is n.
+
+    Lanes and phi checked separately would blame phi (its rows do not fit the n read from x); when the rows fit
+    x's last dim instead, the likely mistake is the lanes' layout, and the message names x."""
+    if not isinstance(phi, torch.Tensor) or phi.dim() != 2:
+        return
+    lanes, width = x.shape[-2], x.shape[-1]
+    rows = phi.shape[0]
+    if lanes == width or rows == lanes * lanes + 2 * lanes:
+        return
+    if rows == width * width + 2 * width and phi.shape[1] == lanes * width:
+        prefix = f"{op}: " if op else ""
+        raise InputError(
+            f"{prefix}{name}: expected lanes [..., n, C] with n = {width} (phi has n^2+2n = {rows} rows); "
+            f"got [..., C, n]? {name} has shape {tuple(x.shape)}, so its last two dims look swapped: pass "
+            f"{name}.transpose(-2, -1) (lanes [..., {width}, {lanes}])"
+        )
 
 
 def require_shape(name: str, value, shape: tuple[int, ...]) -> torch.Tensor:

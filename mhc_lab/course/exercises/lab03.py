@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from mhc_lab.course.birkhoff import doubly_stochastic_gaps, random_doubly_stochastic
@@ -288,16 +290,24 @@ def _check_sinkhorn_log(answer):
 # ---- 3.5 coefficients (Eqs. 7-8) ----------------------------------------------------------------------------
 
 
+# The RMSNorm's eps of the reference (mhc_coefficients' rms_eps, 1e-6), and as the lab writes it ("1e-6").
+RMS_EPS = inspect.signature(mhc_coefficients).parameters["rms_eps"].default
+_RMS_EPS_TEXT = f"{RMS_EPS:.0e}".replace("e-0", "e-")
+
+
 def _coefficients(x, phi, bias, alpha, iterations=20, eps=1e-6, *, per_lane_norm=False, post_scale=2.0,
-                  pre_eps=True, order="pre,post,res", res_transposed=False):
-    """mHC coefficients with one knob per usual mistake (the defaults give the right answer)."""
+                  pre_eps=True, order="pre,post,res", res_transposed=False, rms_eps=RMS_EPS):
+    """mHC coefficients with one knob per usual mistake (the defaults give the right answer). ``rms_eps=None``
+    normalises with F.rms_norm's default eps, as a learner who leaves it out does."""
     n, C = x.shape[-2], x.shape[-1]
     if per_lane_norm:
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
         flat = x.reshape(*x.shape[:-2], n * C)
+    elif rms_eps is None:
+        flat = torch.nn.functional.rms_norm(x.reshape(*x.shape[:-2], n * C), (n * C,))
     else:
         flat = x.reshape(*x.shape[:-2], n * C)
-        flat = flat * torch.rsqrt(flat.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+        flat = flat * torch.rsqrt(flat.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
     mixes = flat @ phi.t()
     parts = dict(zip(order.split(","), mixes.split([n, n, n * n] if order == "pre,post,res" else [n, n * n, n], -1)))
     bias_parts = dict(zip(order.split(","), bias.split([n, n, n * n] if order == "pre,post,res" else [n, n * n, n])))
@@ -330,12 +340,41 @@ def _coefficient_inputs():
     return cases
 
 
+def _rms_eps_mistakes(dtype: torch.dtype) -> dict[str, float]:
+    """The RMSNorm eps values a learner may use instead of 1e-6, each with the message that names it."""
+    default, e = torch.finfo(dtype).eps, _RMS_EPS_TEXT
+    return {
+        f"your RMSNorm eps is {default:.3g} (F.rms_norm's and nn.RMSNorm's default when eps is not given: "
+        f"torch.finfo({dtype}).eps), expected {e}: rsqrt(mean(flat^2) + {e}), or "
+        f"F.rms_norm(flat, (n * C,), eps={e})": default,
+        f"your RMSNorm eps is 1e-5 (the usual LayerNorm default), expected {e}: rsqrt(mean(flat^2) + {e})": 1e-5,
+        f"your RMSNorm eps is 1e-8, expected {e}: rsqrt(mean(flat^2) + {e})": 1e-8,
+    }
+
+
+def _nearest(got: torch.Tensor, expected: torch.Tensor, candidates: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The one candidate mistake ``got`` is far nearer to than to the right answer, or none.
+
+    The eps mistakes (H_pre's + eps, the RMSNorm's eps) all differ from the right answer by little, so each is
+    within the recognition tolerance of the others: naming the first that matches would name the wrong one.
+    A mistake is named only when the answer is ten times nearer to it than to the right answer."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ()
+    g = got.detach().to(torch.float64).cpu()
+    off = (g - expected.detach().to(torch.float64).cpu()).abs().max().item()
+    distances = {why: (g - w.detach().to(torch.float64).cpu()).abs().max().item() for why, w in candidates.items()}
+    if not distances:
+        return ()
+    why = min(distances, key=distances.get)
+    return (why,) if distances[why] < 0.1 * off else ()
+
+
 @register(
     "3.5", "mHC coefficients (Eqs. 7-8, DeepSeek-V4 layout)",
     hints=[
         "Flatten the lanes: flat = x.reshape(*x.shape[:-2], n * C); RMSNorm it over all nC numbers "
-        "(rsqrt of the mean square + 1e-6); mixes = flat @ phi.T has n^2 + 2n entries in the order "
-        "[pre, post, res].",
+        "(rsqrt of the mean square + 1e-6; with F.rms_norm pass eps=1e-6, its default differs); "
+        "mixes = flat @ phi.T has n^2 + 2n entries in the order [pre, post, res].",
         "pre = sigmoid(alpha[0] * mixes_pre + bias_pre) + eps; post = 2 * sigmoid(alpha[1] * mixes_post + "
         "bias_post); res logits = alpha[2] * mixes_res + bias_res, reshaped to [..., n, n] row by row.",
         "H_res = sinkhorn(res_logits, variant='deepseek_v4', iterations=iterations, eps=eps) from "
@@ -353,6 +392,12 @@ def _coefficient_inputs():
                                                                             order="pre,res,post"), "order"),
         Mistake(lambda x, p, b, a, iterations=20, eps=1e-6: _coefficients(x, p, b, a, iterations, eps,
                                                                             res_transposed=True), "row by row"),
+        Mistake(lambda x, p, b, a, iterations=20, eps=1e-6: _coefficients(x, p, b, a, iterations, eps,
+                                                                            rms_eps=None),
+                "your RMSNorm eps is 2.22e-16 (F.rms_norm's"),
+        Mistake(lambda x, p, b, a, iterations=20, eps=1e-6: _coefficients(x, p, b, a, iterations, eps,
+                                                                            rms_eps=1e-5),
+                "your RMSNorm eps is 1e-5"),
     ],
 )
 def _check_coefficients(answer):
@@ -373,11 +418,14 @@ def _check_coefficients(answer):
             "a split in the wrong order: DeepSeek-V4's mixes are [pre, post, res], n + n + n^2":
                 wrong(order="pre,res,post"),
         }
+        # the mistakes that differ from the right answer by little: only the nearest one can be named
+        eps_mistakes = {why: wrong(rms_eps=value) for why, value in _rms_eps_mistakes(x.dtype).items()}
+        eps_mistakes["H_pre without its + eps (DeepSeek-V4 adds eps = 1e-6 after the sigmoid)"] = \
+            wrong(pre_eps=False)
         for k, name in enumerate(("pre", "post", "res")):
-            mistakes, small = {}, ()
-            if name == "pre":
-                small = ("H_pre without its + eps (DeepSeek-V4 adds eps = 1e-6 after the sigmoid)",)
-                mistakes[small[0]] = wrong(pre_eps=False)[0]
+            candidates = {why: w[k] for why, w in eps_mistakes.items()}
+            small = _nearest(got[k], expected[k], candidates)
+            mistakes = {why: candidates[why] for why in small}
             mistakes.update({why: w[k] for why, w in named.items()})
             if name == "post":
                 mistakes["H_post without the factor 2: Eq. 8 is H_post = 2 sigmoid(...), range (0, 2)"] = \

@@ -1,15 +1,18 @@
 """Lab 04 exercises: predict, then measure. The learner predicts bytes per token, a memory-bound time, an
 arithmetic intensity and a launch count; each check compares the prediction with the count (the bytes model,
-or the operations the reference code really launches) and explains the difference."""
+or the operations the reference code really launches) and says what is wrong with it: too high or too low, by
+what ratio, which part (the lanes' or the coefficients', the first iteration's or each further one's), and the
+usual mistake it matches. It never prints the count's breakdown, which is the answer."""
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from mhc_lab.measure import bytes_model, profiling
-from mhc_lab.course.checks import Mistake, call, expect_number, register
+from mhc_lab.course.checks import CheckFailed, Mistake, call, register
 from mhc_lab.reference import sinkhorn_deepseek_v4
 
 
@@ -17,23 +20,106 @@ def _close(a: float, b: float, rel: float = 1e-6) -> bool:
     return abs(a - b) <= rel * max(abs(b), 1e-300)
 
 
-def _explain(got, usual: dict[str, float], where: str) -> str:
-    """Name the usual mistake the prediction matches, if any, then say where the count comes from."""
+def _number(got, case: str, name: str) -> float:
     try:
         value = float(got)
     except (TypeError, ValueError):
-        return where
-    if math.isnan(value):
-        return where
+        raise CheckFailed(f"{case}: expected {name} to be a number, got {type(got).__name__}") from None
+    if math.isnan(value) or math.isinf(value):
+        raise CheckFailed(f"{case}: your prediction is {value}; expected a finite number")
+    return value
+
+
+def _usual(value: float, usual: dict[str, float]) -> str:
+    """The usual mistake the prediction matches, as a sentence, or ''."""
     for explanation, wrong in usual.items():
         if _close(value, wrong):
-            return f"This looks like the usual mistake: {explanation} {where}"
-    return where
+            return f" This looks like the usual mistake: {explanation}"
+    return ""
 
 
-def _rows_text(method: str, n: int) -> str:
-    parts = [f"{r.operation}: reads {r.read}, writes {r.write}" for r in bytes_model.rows(method, n)]
-    return "; ".join(parts)
+def _ratio(got: float, expected: float) -> str:
+    """got / expected with as many digits as it takes not to read as 1 (1.0003x, not 1x)."""
+    r = got / expected
+    for digits in range(3, 10):
+        text = f"{r:.{digits}g}"
+        if float(text) != 1.0:
+            return f"{text}x"
+    return f"{r:.10g}x"
+
+
+def _show(value: float) -> str:
+    return f"{value:,.0f}" if value == int(value) and abs(value) < 1e15 else f"{value:.4g}"
+
+
+def _part(label: str, got: float, expected: float, scale: float) -> str:
+    """How one part of the prediction compares with the same part of the count, without giving the count;
+    ``scale``: the size of the whole, below a billionth of which a part counts as zero (rounding)."""
+    zero = 1e-9 * scale
+    if abs(got - expected) <= max(1e-6 * abs(expected), zero):
+        return f"{label} is right"
+    if abs(expected) <= zero:
+        return f"{label} should not be there"
+    if abs(got) <= zero:
+        return f"{label} is missing"
+    return f"{label} is too {'high' if got > expected else 'low'} ({_ratio(got, expected)} the count's)"
+
+
+def _affine(f: Callable[[int], float], at: int) -> tuple[float, float] | None:
+    """(slope, value at ``at``) of f, when f is affine around ``at`` (f(at), f(at + 1), f(at + 2) on a line)."""
+    a, b, c = (float(f(at + k)) for k in range(3))
+    if any(math.isnan(v) or math.isinf(v) for v in (a, b, c)):
+        return None
+    if abs(c - 2 * b + a) > 1e-9 * max(abs(a), abs(b), abs(c), 1e-300):
+        return None
+    return b - a, a
+
+
+def _parts_text(mine, right, at: int, split: Callable[[float, float, int], tuple[float, float]],
+                labels: tuple[str, str], variable: str = "C") -> str:
+    """Compare the prediction's two parts with the count's: ``mine`` and ``right`` are functions of one integer
+    ``variable`` (C, or the iterations t), affine in it; ``split(slope, value, at)`` turns a slope and a value
+    into the two parts named by ``labels``."""
+    try:
+        got = _affine(mine, at)
+    except (CheckFailed, ArithmeticError, TypeError, ValueError):
+        return ""
+    if got is None:
+        return f" Your prediction does not grow in a straight line with {variable}; the count does."
+    count = _affine(right, at)
+    scale = max(abs(got[1]), abs(count[1]))
+    first, second = (_part(label, g, e, scale)
+                     for label, g, e in zip(labels, split(*got, at), split(*count, at)))
+    return f" Of your prediction, {first}; {second}."
+
+
+def _wrong(value: float, expected: float, *, case: str, name: str, parts: str = "", usual: str = "",
+           advice: str = "") -> None:
+    """Raise CheckFailed: what the prediction is, too high or too low by what ratio, which part, which mistake."""
+    if expected == 0:
+        how = "should be 0"
+    else:
+        how = f"is too {'high' if value > expected else 'low'}: {_ratio(value, expected)} the count"
+    message = f"{case}: your prediction, {_show(value)} {name}, {how}.{parts}{usual}"
+    raise CheckFailed(f"{message} {advice}".rstrip())
+
+
+def _expect(got, expected: float, *, case: str, name: str, rel: float = 1e-6,
+            parts: Callable[[], str] | None = None, usual: dict[str, float] | None = None, advice: str = ""):
+    value = _number(got, case, name)
+    if abs(value - expected) <= rel * max(abs(expected), 1e-12):
+        return
+    _wrong(value, expected, case=case, name=name, parts=parts() if parts else "",
+           usual=_usual(value, usual or {}), advice=advice)
+
+
+def _lanes_and_coefficients(slope: float, value: float, C: int) -> tuple[float, float]:
+    """An affine count in C split into its part proportional to C (the lanes) and its part without C."""
+    return slope * C, value - slope * C
+
+
+_IN_C = ("the part proportional to C (the lanes' traffic)",
+         "the part that does not grow with C (the coefficients H_pre, H_post, H_res)")
 
 
 # ---- 4.1 ------------------------------------------------------------------------------------------------
@@ -72,10 +158,12 @@ def _check_hc_elements(answer):
     for n, C in [(4, 2560), (1, 7), (2, 33), (8, 1), (4, 4096), (3, 100)]:
         case = f"n={n}, C={C}"
         got = call(answer, n, C, case=case)
-        expected = bytes_model.hc_forward_elements(n, C)
-        where = f"mHC Table 2 counts, per token: {_rows_text('hc', n)}."
-        expect_number(got, expected, case=case, name="elements per token",
-                      explain=_explain(got, _hc_usual(n, C), where))
+        _expect(got, bytes_model.hc_forward_elements(n, C), case=case, name="elements per token",
+                usual=_hc_usual(n, C), parts=lambda: _parts_text(
+                    lambda c: call(answer, n, c, case=case), lambda c: bytes_model.hc_forward_elements(n, c), C,
+                    _lanes_and_coefficients, _IN_C),
+                advice="Count each of the five operations' reads and writes again (hint('4.1') walks through "
+                       "them).")
         cases.append(case)
     return cases
 
@@ -117,10 +205,11 @@ def _check_minimal_elements(answer):
     for n, C in [(4, 4096), (1, 7), (2, 33), (8, 1), (4, 2560)]:
         case = f"n={n}, C={C}"
         got = call(answer, n, C, case=case)
-        expected = bytes_model.minimal_site_forward_elements(n, C)
-        where = f"The count, per token: {_rows_text('mhc_minimal', n)}."
-        expect_number(got, expected, case=case, name="elements per token",
-                      explain=_explain(got, _minimal_usual(n, C), where))
+        _expect(got, bytes_model.minimal_site_forward_elements(n, C), case=case, name="elements per token",
+                usual=_minimal_usual(n, C), parts=lambda: _parts_text(
+                    lambda c: call(answer, n, c, case=case),
+                    lambda c: bytes_model.minimal_site_forward_elements(n, c), C, _lanes_and_coefficients, _IN_C),
+                advice="Count what each of the two kernels reads and writes (hint('4.2') says more).")
         cases.append(case)
     return cases
 
@@ -167,11 +256,13 @@ def _check_seconds(answer):
                              (1000, 8, 33, 20.5), (2048, 2, 256, 15.0)]:
         case = f"tokens={tokens}, n={n}, C={C}, bandwidth_gbs={bw:g}"
         got = call(answer, tokens, n, C, bw, case=case)
-        expected = bytes_model.memory_bound_seconds(tokens, n, C, bw)
-        where = (f"The count: {bytes_model.bytes_per_token('mhc', n, C):,} bytes per token "
-                 f"({bytes_model.total('mhc', n).moved} elements), times {tokens} tokens, over {bw:g} GB/s.")
-        expect_number(got, expected, case=case, name="seconds",
-                      explain=_explain(got, _seconds_usual(tokens, n, C, bw), where))
+        _expect(got, bytes_model.memory_bound_seconds(tokens, n, C, bw), case=case, name="seconds",
+                usual=_seconds_usual(tokens, n, C, bw), parts=lambda: _parts_text(
+                    lambda c: call(answer, tokens, n, c, bw, case=case),
+                    lambda c: bytes_model.memory_bound_seconds(tokens, n, c, bw), C, _lanes_and_coefficients,
+                    ("the time of the part proportional to C (the lanes, bf16)",
+                     "the time of the part that does not grow with C (the coefficients, float32)")),
+                advice="Seconds = tokens x bytes per token / (GB/s x 1e9); hint('4.3') says more.")
         cases.append(case)
     return cases
 
@@ -209,10 +300,11 @@ def _check_intensity(answer):
         case = f"n={n}, C={C}, stream_bytes={s}, coefficient_bytes={c}"
         got = call(answer, n, C, s, c, case=case)
         expected = bytes_model.res_apply_intensity(n, C, s, c)
-        where = (f"The count: {2 * n * n * C:,} FLOPs over {2 * n * C * s + n * n * c:,} bytes "
-                 f"(read nC + n^2, write nC).")
-        expect_number(got, expected, case=case, name="FLOP per byte",
-                      explain=_explain(got, _intensity_usual(n, C, s, c), where))
+        value = _number(got, case, "FLOP per byte")
+        _expect(got, expected, case=case, name="FLOP per byte", usual=_intensity_usual(n, C, s, c),
+                advice=("Too high: too many FLOPs counted, or too few bytes." if value > expected else
+                        "Too low: too few FLOPs counted, or too many bytes.")
+                + " Check both: the multiply-adds, and every tensor read or written (hint('4.4')).")
         cases.append(case)
     return cases
 
@@ -248,14 +340,25 @@ def _sinkhorn_usual(t: int) -> dict[str, float]:
 def _check_sinkhorn_launches(answer):
     cases = []
     logits = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0))
+    measured = {}
+
+    def launches(t: int) -> int:
+        if t not in measured:
+            measured[t] = profiling.trace_ops(sinkhorn_deepseek_v4, logits, t).launches
+        return measured[t]
+
+    def first_and_each_further(slope: float, value: float, t: int) -> tuple[float, float]:
+        return value - slope * (t - 1), slope  # the launches of t = 1, and what each further iteration adds
+
     for t in (20, 1, 2, 3, 7):
         case = f"t={t}"
         got = call(answer, t, case=case)
-        trace = profiling.trace_ops(sinkhorn_deepseek_v4, logits, t)
-        ops = ", ".join(f"{count} {name}" for name, count in trace.by_name().items())
-        where = f"Measured (trace_ops on sinkhorn_deepseek_v4): {trace.launches} launches: {ops}."
-        expect_number(got, trace.launches, case=case, name="launches",
-                      explain=_explain(got, _sinkhorn_usual(t), where))
+        _expect(got, launches(t), case=case, name="launches", usual=_sinkhorn_usual(t),
+                parts=lambda: _parts_text(lambda k: call(answer, k, case=case), launches, t, first_and_each_further,
+                                          ("the count for t = 1 (the check, the start and the first pass)",
+                                           "what each further iteration adds"), "t"),
+                advice="The check counts them with profiling.trace_ops(sinkhorn_deepseek_v4, logits, t); "
+                       "predict first, then run it yourself.")
         cases.append(case)
     return cases
 

@@ -209,11 +209,39 @@ def _sumsq_plain(C: int, block_rows: int):
     return row_sum_of_squares
 
 
+def _sumsq_python_variable(augmented: bool):
+    """A running sum in a Python variable, s = 0.0 and s = s + ... (or s += ...), instead of the register total."""
+
+    def factory(C: int, block_rows: int):
+        N = T.dynamic("N")
+
+        @T.prim_func
+        def row_sum_of_squares(x: T.Tensor((N, C), "float32"), out: T.Tensor((N,), "float32")):
+            with T.Kernel(T.ceildiv(N, block_rows)) as b:
+                for i in T.serial(block_rows):
+                    r = b * block_rows + i
+                    if r < N:
+                        s = 0.0
+                        for c in T.serial(C):
+                            if augmented:
+                                s += x[r, c] * x[r, c]
+                            else:
+                                s = s + x[r, c] * x[r, c]
+                        out[r] = s
+
+        return row_sum_of_squares
+
+    factory.__name__ = "row_sum_of_squares_python_" + ("augmented" if augmented else "sum")
+    return factory
+
+
 @register(
     "5.2", "a per-row sum of squares",
     hints=[
         "A reduction keeps a running sum in a register (total, allocated with T.alloc_local) and adds one "
-        "x[r, c] * x[r, c] per column; the result goes to out[r] once, at the end of the row.",
+        "x[r, c] * x[r, c] per column; the result goes to out[r] once, at the end of the row. Not in a Python "
+        "variable (s = 0.0, then s = s + ... in the loop): in a tile program a Python name is bound once to an "
+        "expression and cannot be updated by a loop; use total[0] = 0.0 and total[0] += ... instead.",
         "Start every row from zero: set total[0] = 0.0 inside the loop over the rows, not once per instance. "
         "And guard the rows with `if r < N:` as in 5.1.",
         "for i in T.serial(block_rows): r = b * block_rows + i; if r < N: total[0] = 0.0; "
@@ -224,6 +252,8 @@ def _sumsq_plain(C: int, block_rows: int):
         Mistake(_sumsq_no_reset, "not reset"),
         Mistake(_sumsq_mean, "divided by C"),
         Mistake(_sumsq_plain, "not their squares"),
+        Mistake(_sumsq_python_variable(augmented=False), "a Python accumulator"),
+        Mistake(_sumsq_python_variable(augmented=True), "T.alloc_local((1,), \"float32\")"),
     ],
 )
 def _check_sum_of_squares(answer):

@@ -257,21 +257,56 @@ _NORM_MISTAKES = {
                   "divide s by n * C.",
     "r_not_r3": "d/ds (s / k + eps)^(-1/2) = -(1/2) (s / k + eps)^(-3/2) / k = -r^3 / (2k): the power of r is 3.",
     "no_eps": "forgetting the eps: r = (s / nC + eps)^(-1/2), and r^3 carries the same eps.",
+    "no_k": "the 1 / (n C) of the inner derivative is missing: r is a function of s / (n C), so the chain rule "
+            "brings d(s / nC)/ds = 1 / (n C) as well: ds = -r^3 / (2 nC) dr.",
+    "no_half": "dx is twice too large: the 1/2 of the power rule is missing. d/du u^(-1/2) = -(1/2) u^(-3/2), so "
+               "ds = -r^3 / (2 nC) dr (and then dx = 2 ds x: the 2 and the 1/2 cancel only together).",
+    "per_lane": "each lane was normalised on its own (s summed over C only, one r per lane). The norm has one r per "
+                "token: s sums x^2 over all n * C values of the token, sum(dim=(-2, -1), keepdim=True).",
 }
+_NORM_NO_UNSQUEEZE = ("grad_r was used as it comes, [..., 1]: against r [..., 1, 1] it broadcasts along the wrong "
+                      "dims. Give it the lanes' two trailing dims first: grad_r.unsqueeze(-1), [..., 1, 1], so it "
+                      "broadcasts over [n, C].")
+_NORM_BROADCAST = ("The shapes did not broadcast: s, r and grad_r are one number per token and must line up with x "
+                   "[..., n, C] as [..., 1, 1]: sum with keepdim=True over dims (-2, -1), and grad_r.unsqueeze(-1).")
 
 
 def _norm_wrong(kind: str):
     def wrong(x, grad_r, rms_eps=1e-6):
         n, C = x.shape[-2:]
-        k = C if kind == "lane_width" else n * C
-        s = x.pow(2).sum(dim=(-2, -1), keepdim=True)
+        k = C if kind in ("lane_width", "per_lane") else n * C
+        dims = -1 if kind == "per_lane" else (-2, -1)
+        s = x.pow(2).sum(dim=dims, keepdim=True)
         r = torch.rsqrt(s / k + (0.0 if kind == "no_eps" else rms_eps))
         power = 1 if kind == "r_not_r3" else 3
-        ds = (0.5 if kind == "sign" else -0.5) * r.pow(power) / k * grad_r.unsqueeze(-1)
+        half = {"sign": 0.5, "no_half": -1.0}.get(kind, -0.5)
+        g = grad_r if kind == "no_unsqueeze" else grad_r.unsqueeze(-1)
+        ds = half * r.pow(power) / (1 if kind == "no_k" else k) * g
+        if kind == "no_x":
+            return 2 * ds
         return (1 if kind == "no_two" else 2) * ds * x
 
     wrong.__name__ = f"norm_scale_backward_{kind}"
     return wrong
+
+
+def _call_norm(answer, x, grad_r, eps, want, case):
+    """The learner's dx; a shape error of the usual kind (grad_r not unsqueezed) is named."""
+    try:
+        return call(answer, x.clone(), grad_r.clone(), eps, case=case)
+    except CheckFailed as failure:
+        error = failure.__cause__
+        if not isinstance(error, RuntimeError) or not any(
+                words in str(error) for words in ("must match the size", "broadcast", "expanded size")):
+            raise
+        try:  # would their function be right with grad_r already [..., 1, 1]?
+            probe = answer(x.clone(), grad_r.unsqueeze(-1), eps)
+            fixed = (isinstance(probe, torch.Tensor) and probe.shape == want.shape
+                     and torch.allclose(probe.to(want.dtype), want, rtol=1e-6, atol=1e-9))
+        except Exception:
+            fixed = False
+        explain = (f"This looks like the usual mistake: {_NORM_NO_UNSQUEEZE}" if fixed else _NORM_BROADCAST)
+        raise CheckFailed(f"{str(failure).rstrip('.')}. {explain}") from error
 
 
 @register(
@@ -291,6 +326,11 @@ def _norm_wrong(kind: str):
         Mistake(_norm_wrong("lane_width"), "n * C values"),
         Mistake(_norm_wrong("r_not_r3"), "the power of r is 3"),
         Mistake(_norm_wrong("no_eps"), "forgetting the eps"),
+        Mistake(_norm_wrong("no_k"), "the 1 / (n C) of the inner derivative"),
+        Mistake(_norm_wrong("no_half"), "the 1/2 of the power rule"),
+        Mistake(_norm_wrong("per_lane"), "each lane was normalised on its own"),
+        Mistake(_norm_wrong("no_unsqueeze"), "grad_r.unsqueeze(-1), [..., 1, 1]"),
+        Mistake(_norm_wrong("no_x"), "dx = 2 ds x: multiply by x"),
     ],
 )
 def _check_norm_backward(answer):
@@ -300,14 +340,64 @@ def _check_norm_backward(answer):
         # tokens of very different sizes, so that r matters
         x = randn(*lead, n, C, seed=7400 + 10 * k) * torch.exp(randn(*lead, 1, 1, seed=7401 + 10 * k))
         grad_r = randn(*lead, 1, seed=7402 + 10 * k)
-        got = call(answer, x.clone(), grad_r.clone(), eps, case=case)
+        want = norm_scale_backward(x, grad_r, eps)
+        got = _call_norm(answer, x, grad_r, eps, want, case)
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == (*lead, 1, 1) and (n, C) != (1, 1):
+            raise CheckFailed(f"{case}: expected dx of shape {tuple(want.shape)}, got {tuple(got.shape)}: one number "
+                              "per token, ds (or 2 ds), not a gradient for each of x's values. This looks like the "
+                              "usual mistake: the last step of the chain is missing, dx = 2 ds x: multiply by x.")
         mistakes = {text: _norm_wrong(kind)(x, grad_r, eps) for kind, text in _NORM_MISTAKES.items()}
-        assert_close(got, norm_scale_backward(x, grad_r, eps), case=case, name="dx", mistakes=mistakes)
+        assert_close(got, want, case=case, name="dx", mistakes=mistakes)
         cases.append(case)
     return cases
 
 
 # ---- 7.5 Eq. 20, the recompute memory ---------------------------------------------------------------------------
+
+
+# Eq. 20 as the usual mistakes write it: (formula, what the check says). Named only when the answer equals the
+# formula on every case, so that two mistakes that agree on one case (a swap and a floor at L = 30, L_r = 7) are
+# told apart.
+_RECOMPUTE_MISTAKES = {
+    "floor": (lambda n, L, b: n * (L // b) + (n + 2) * b,
+              "floor instead of ceil (L // L_r, int(L / L_r) and math.floor all round down). The last block may be "
+              "shorter and still keeps its input: ceil(L / L_r) blocks, math.ceil(layers / block)."),
+    "no_ceil": (lambda n, L, b: n * L / b + (n + 2) * b,
+                "the ceil is missing: L / L_r is not a whole number of blocks (30 / 7 = 4.29 blocks), and every "
+                "block, the last and shorter one too, keeps one whole input: n * math.ceil(layers / block)."),
+    "round": (lambda n, L, b: n * round(L / b) + (n + 2) * b,
+              "round() rounds to the nearest whole number; a count of blocks rounds up, since the last, shorter "
+              "block still keeps its input: math.ceil(layers / block)."),
+    "ceil_outside": (lambda n, L, b: math.ceil(n * L / b) + (n + 2) * b,
+                     "the ceil is in the wrong place: round the number of blocks up, then multiply by the n C each "
+                     "block keeps: n * ceil(L / L_r), not ceil(n L / L_r)."),
+    "no_n": (lambda n, L, b: math.ceil(L / b) + (n + 2) * b,
+             "a block input x_{l0} is the whole stream, n lanes of C: it counts n per block, n * ceil(L / L_r), "
+             "not 1."),
+    "n_plus_one": (lambda n, L, b: n * math.ceil(L / b) + (n + 1) * b,
+                   "the transients are (n + 2) C per layer (Table 3): x_l (n C), H_pre x_l (C) and its RMSNorm (C)."),
+    "every_layer": (lambda n, L, b: n * L + (n + 2) * b,
+                    "the block input x_{l0} is kept once per block, not for every layer: n ceil(L / L_r)."),
+    "all_transients": (lambda n, L, b: n * math.ceil(L / b) + (n + 2) * L,
+                       "the transients are alive for one block at a time, the block being recomputed: "
+                       "(n + 2) L_r, not (n + 2) L for every layer."),
+    "swapped": (lambda n, L, b: n * b + (n + 2) * math.ceil(L / b),
+                "the two terms are swapped: the kept block inputs, n C each, are one per block, n ceil(L / L_r); "
+                "the transients, (n + 2) C per layer, are those of the L_r layers of one block, (n + 2) L_r."),
+}
+_RECOMPUTE_CASES = [(4, 30, 7), (4, 30, 5), (4, 60, 6), (4, 12, 3), (1, 7, 2), (8, 61, 7), (2, 1, 1), (4, 13, 13)]
+
+
+def _same(value, expected) -> bool:
+    return abs(value - expected) <= 1e-9 * max(1.0, abs(expected))
+
+
+def _recompute_mistake(values: list) -> str:
+    """The usual mistake the answers match on every case ("" if none does)."""
+    for formula, explanation in _RECOMPUTE_MISTAKES.values():
+        if all(v is not None and _same(v, formula(*c)) for v, c in zip(values, _RECOMPUTE_CASES)):
+            return f"This looks like the usual mistake: {explanation}"
+    return ""
 
 
 @register(
@@ -316,36 +406,37 @@ def _check_norm_backward(answer):
         "Two terms, per token, in units of C. The block inputs x_{l0} (n C each) stay in memory for the whole "
         "backward: one per block, and the last block may be shorter. While one block is recomputed, its (n + 2) C "
         "transients per layer are alive: x_l, H_pre x_l and its norm (Table 3).",
-        "n * (number of blocks) + (n + 2) * L_r, with number of blocks = ceil(L / L_r).",
+        "n * (number of blocks) + (n + 2) * L_r, with number of blocks = ceil(L / L_r): a whole number, rounded "
+        "up (30 layers in blocks of 7 are 5 blocks, not 30 / 7 = 4.29 and not 30 // 7 = 4).",
         "return n * math.ceil(layers / block) + (n + 2) * block",
     ],
     solution=recompute_memory,
     mistakes=[
-        Mistake(lambda n, layers, block: n * (layers // block) + (n + 2) * block, "ceil"),
-        Mistake(lambda n, layers, block: n * math.ceil(layers / block) + (n + 1) * block, "(n + 2) C"),
-        Mistake(lambda n, layers, block: n * layers + (n + 2) * block, "once per block"),
+        Mistake(_RECOMPUTE_MISTAKES["floor"][0], "floor instead of ceil"),
+        Mistake(_RECOMPUTE_MISTAKES["no_ceil"][0], "the ceil is missing"),
+        Mistake(_RECOMPUTE_MISTAKES["round"][0], "round() rounds to the nearest"),
+        Mistake(_RECOMPUTE_MISTAKES["ceil_outside"][0], "the ceil is in the wrong place"),
+        Mistake(_RECOMPUTE_MISTAKES["no_n"][0], "it counts n per block"),
+        Mistake(_RECOMPUTE_MISTAKES["n_plus_one"][0], "(n + 2) C"),
+        Mistake(_RECOMPUTE_MISTAKES["every_layer"][0], "once per block"),
+        Mistake(_RECOMPUTE_MISTAKES["all_transients"][0], "for one block at a time"),
+        Mistake(_RECOMPUTE_MISTAKES["swapped"][0], "the two terms are swapped"),
     ],
 )
 def _check_recompute_memory(answer):
-    cases = []
-    for n, layers, block in [(4, 30, 7), (4, 30, 5), (4, 60, 6), (4, 12, 3), (1, 7, 2), (8, 61, 7), (2, 1, 1),
-                             (4, 13, 13)]:
-        case = f"n={n}, L={layers}, L_r={block}"
-        got = call(answer, n, layers, block, case=case)
-        want = recompute_memory(n, layers, block)
-        explain = ""
+    answers, values = [], []
+    for n, layers, block in _RECOMPUTE_CASES:
+        got = call(answer, n, layers, block, case=f"n={n}, L={layers}, L_r={block}")
+        answers.append(got)
         try:
-            value = float(got)
-            if value == n * (layers // block) + (n + 2) * block:
-                explain = ("This looks like the usual mistake: floor instead of ceil. The last block may be shorter "
-                           "and still keeps its input: ceil(L / L_r) blocks.")
-            elif value == n * math.ceil(layers / block) + (n + 1) * block:
-                explain = ("The transients are (n + 2) C per layer (Table 3): x_l (n C), H_pre x_l (C) and its "
-                           "RMSNorm (C).")
-            elif value == n * layers + (n + 2) * block:
-                explain = ("The block input x_{l0} is kept once per block, not for every layer: n ceil(L / L_r).")
+            values.append(float(got))
         except (TypeError, ValueError):
-            pass
-        expect_number(got, want, case=case, name="memory per token (units of C)", explain=explain)
+            values.append(None)
+    explain = _recompute_mistake(values)
+    cases = []
+    for (n, layers, block), got in zip(_RECOMPUTE_CASES, answers):
+        case = f"n={n}, L={layers}, L_r={block}"
+        expect_number(got, recompute_memory(n, layers, block), case=case, name="memory per token (units of C)",
+                      explain=explain)
         cases.append(case)
     return cases
