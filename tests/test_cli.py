@@ -132,3 +132,19 @@ def test_grade_reruns_a_submission_with_its_assigned_variant(tmp_path, capsys):
     assert "3/3" in out and f"variant: SEED={seed}" in out
     row = json.loads(report_path.read_text())["submissions"][0]
     assert row["student"] == "alice" and row["variant"]["SEED"] == seed and row["score"] == 3
+
+
+def test_grade_and_variants_take_relative_paths(tmp_path, monkeypatch):
+    """Paths on the command line are made absolute before anything runs."""
+    help_text = _cli("grade", "--help").stdout
+    for option in ("--hidden", "--no-hidden", "--max-cell-output", "--max-output"):
+        assert option in help_text
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "roster.txt").write_text("alice\nbob\n")
+    lab = LABS_DIR / "00_setup.ipynb"
+    assert main(["variants", str(lab), "--roster", "roster.txt", "--out", "handout"]) == 0
+    manifest = json.loads((tmp_path / "handout" / "variants.json").read_text())
+    assert set(manifest["labs"]["00_setup.ipynb"]["students"]) == {"alice", "bob"}
+    assert main(["grade", "nowhere", "--out", "out"]) == 2  # named in the error, and nothing written
+    assert not (tmp_path / "out").exists()
+

@@ -19,7 +19,8 @@ import torch
 
 from mhc_lab.course import checks
 from mhc_lab.course.checks import all_exercises, expect_number, register
-from mhc_lab.classroom.grading import format_report, grade_answer, grade_paths, lab_exercises
+from mhc_lab.classroom.grading import format_report, grade_paths
+from mhc_lab.classroom.grading_worker import grade_answer, lab_exercises
 from mhc_lab.classroom.hidden_checks import HIDDEN_DIR, load_hidden
 from mhc_lab.classroom.notebook_build import (
     LABS_DIR,
@@ -240,3 +241,18 @@ def test_report_is_machine_readable_and_printable(graded):
     text = format_report(report)
     assert "lab 00_setup.ipynb" in text and "timed out" in text and "crashed" in text
     assert (out / "executed").is_dir()
+
+
+@pytest.mark.notebooks
+def test_every_submission_keeps_its_executed_notebook_without_the_hidden_checks(graded):
+    """Timed out and crashed ones too (as far as they got); the grader's cell is stored as a note only."""
+    hidden_text = [line for path in HIDDEN_DIR.glob("lab*.py") for line in path.read_text().splitlines()
+                   if line.startswith("@hidden(")]
+    for row in graded["report"]["submissions"]:
+        assert row["executed"] and Path(row["executed"]).exists(), row["submission"]
+        nb = nbformat.read(row["executed"], as_version=4)
+        text = Path(row["executed"]).read_text()
+        assert not any(line in text for line in hidden_text), row["submission"]
+        assert "grade_in_kernel" not in text and str(HIDDEN_DIR) not in text, row["submission"]
+        assert nb.cells, row["submission"]
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,8 +54,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="papermill parameter for every submission (default SIZE=small DEVICE=cpu)")
     grade.add_argument("--variants", type=Path, default=None,
                        help="variants.json from `mhc-lab variants`: re-run each with its author's parameters")
-    grade.add_argument("--hidden", type=Path, default=None, help="folder of hidden checks (default tests/hidden)")
-    grade.add_argument("--no-hidden", action="store_true", help="run the visible checks only")
+    grade.add_argument("--hidden", type=Path, default=None,
+                       help="folder of hidden checks, lab*.py (default tests/hidden); it must have checks for "
+                            "every lab graded")
+    grade.add_argument("--no-hidden", action="store_true",
+                       help="run the visible checks only (no hidden or generic checks); the report says so")
+    grade.add_argument("--max-cell-output", type=int, default=100, metavar="KB",
+                       help="output stored per cell of an executed notebook, in thousands of characters")
+    grade.add_argument("--max-output", type=int, default=2000, metavar="KB",
+                       help="output stored per executed notebook, in thousands of characters")
     grade.add_argument("--jobs", type=int, default=1, help="submissions graded at the same time")
     grade.add_argument("--whole-notebook", action="store_true",
                        help="execute every cell (default: stop after the last exercise check cell)")
@@ -72,8 +80,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _absolute(path: Path | None) -> Path | None:
+    """A path from the command line made absolute against the current folder, before anything runs."""
+    if path is None or str(path) == "-":
+        return path
+    return Path(os.path.abspath(os.path.expanduser(str(path))))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("grade", "variants"):
+        for name in ("out", "json", "variants", "hidden", "roster", "notebook"):
+            if isinstance(getattr(args, name, None), Path):
+                setattr(args, name, _absolute(getattr(args, name)))
+    if args.command == "grade":
+        args.paths = [_absolute(p) for p in args.paths]
     if args.command == "doctor":
         from mhc_lab.classroom import doctor
 
@@ -117,19 +138,33 @@ def main(argv: list[str] | None = None) -> int:
 
 def _grade(args) -> int:
     from mhc_lab.classroom.grading import format_report, grade_paths
-    from mhc_lab.classroom.hidden_checks import HIDDEN_DIR
+    from mhc_lab.classroom.grading_worker import make_not_dumpable
+    from mhc_lab.classroom.hidden_checks import HIDDEN_DIR, HiddenChecksError
     from mhc_lab.classroom.variants import parse_parameters
 
+    if args.no_hidden and args.hidden is not None:
+        print(f"error: --no-hidden and --hidden {args.hidden}: expected one of them, got both", file=sys.stderr)
+        return 2
+    for name, value in (("--max-cell-output", args.max_cell_output), ("--max-output", args.max_output)):
+        if value <= 0:
+            print(f"error: {name}: expected a positive number of KB, got {value}", file=sys.stderr)
+            return 2
     hidden = None if args.no_hidden else (args.hidden or HIDDEN_DIR)
-    if hidden is not None and not Path(hidden).is_dir():
-        print(f"note: no hidden checks at {hidden}; grading with the visible checks and the generic ones",
-              file=sys.stderr)
+    make_not_dumpable()  # the learners' kernels (same user) cannot read the workers' tokens from this process
     quiet = args.json == Path("-")
-    report = grade_paths(args.paths, out_dir=args.out, timeout=args.timeout, cell_timeout=args.cell_timeout,
-                         check_timeout=args.check_timeout, parameters=parse_parameters(args.param),
-                         variants=args.variants, hidden_dir=hidden, jobs=args.jobs,
-                         whole_notebook=args.whole_notebook,
-                         log=None if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
+    if hidden is None and not quiet:
+        print("note: --no-hidden: grading with the visible checks only (no hidden or generic checks)",
+              file=sys.stderr)
+    try:
+        report = grade_paths(args.paths, out_dir=args.out, timeout=args.timeout, cell_timeout=args.cell_timeout,
+                             check_timeout=args.check_timeout, parameters=parse_parameters(args.param),
+                             variants=args.variants, hidden_dir=hidden, jobs=args.jobs,
+                             whole_notebook=args.whole_notebook, max_cell_output=args.max_cell_output * 1000,
+                             max_output=args.max_output * 1000,
+                             log=None if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
+    except (HiddenChecksError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     text = json.dumps(report, indent=2) + "\n"
     if quiet:
         print(text, end="")

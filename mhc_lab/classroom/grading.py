@@ -16,335 +16,112 @@ then, in that same kernel, runs for every exercise of the lab:
 
 against the learner's function found by the name the lab's check cell uses (``check("3.2", sinkhorn_mine)``).
 An exercise scores the fraction of its checks passed (1 point each); a stub scores 0 with its "not done" message.
-A submission whose worker runs past ``timeout`` is reported *timed out*, a dead kernel *crashed*; the others are
-graded all the same. The result: a score table on stdout, ``report.json`` (machine-readable) and ``report.csv``.
+A submission whose worker runs past ``timeout`` is reported *timed out*, a dead kernel *crashed*, a worker killed
+by a signal *killed*; those score zero, the others are graded all the same. The result: a score table on stdout,
+``report.json`` (machine-readable) and ``report.csv``.
 
-Grading runs the learner's code with your privileges: grade untrusted submissions in a container or as an
-unprivileged user. The checks run in the learner's kernel, so a determined learner could tamper with them; the
-executed notebooks are kept next to the report for review.
+What the grader trusts. Every path is made absolute before anything runs. The hidden check files are read once,
+before the first submission runs, and their text is handed to each kernel (only the files for its lab): no path to
+them is given to the worker or the kernel. The job travels to the worker over its stdin, together with a random
+token made for that job; the worker keeps its real stdout as a private, non-inherited descriptor, points the
+descriptors the kernel inherits at /dev/null and sends its progress and its result on that private descriptor,
+each line led by the token. The parent takes a result only from a worker that exited with 0 and only on a line
+that carries the token; a worker that dies, is killed or times out scores zero. The worker and the kernel run
+in an empty temporary folder of their own. The executed notebook is written after every cell and when the
+worker is stopped (so a timed-out or killed submission keeps the notebook as far as it got), its stored outputs
+capped per cell and per notebook.
+
+What it does not guard against yet: the checks still run in the learner's kernel, so code in the notebook can
+tamper with them there (patch the grader's functions, or call the reference solutions that the course's check
+registry keeps); copying between learners is not detected. Grading runs the learner's code with your privileges:
+grade untrusted submissions in a container or as an unprivileged user who cannot write the course or the hidden
+checks; the executed notebooks are kept next to the report for review.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import csv
 import datetime as _dt
-import functools
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from mhc_lab.classroom.notebook_build import (
-    CHECK_CALL,
     SOLUTIONS_DIR,
     identify_lab,
-    notebook_parameters,
 )
-from mhc_lab.classroom.hidden_checks import HIDDEN_DIR, generic_checks, load_hidden, recorder
+from mhc_lab.classroom.hidden_checks import (
+    HIDDEN_DIR,
+    HiddenChecksError,
+    exercises_of_sources,
+    read_hidden,
+    sources_digest,
+)
 
-MARKER = "<<mhc-lab-grade>>"
-GRADING_TAG = "mhc-lab-grading"
-DEFAULT_PARAMETERS = {"SIZE": "small", "DEVICE": "cpu"}  # grading is about answers: small and on the CPU
-
-
-# ---- running one check with a time limit --------------------------------------------------------------------
-
-
-class CheckTimeout(BaseException):
-    """A check ran past its time limit (a BaseException, so the learner's ``except Exception`` cannot eat it)."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float | None):
-    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def expire(signum, frame):
-        raise CheckTimeout(f"timed out after {seconds:g} s (an endless loop?)")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _message(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text}" if not text or not isinstance(error, AssertionError) else text
-
-
-def _attempt(fn: Callable[[], object], seconds: float | None) -> tuple[bool, str]:
-    try:
-        with _time_limit(seconds):
-            result = fn()
-    except CheckTimeout as error:
-        return False, str(error)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as error:  # the learner's code may raise anything, SystemExit included
-        return False, _message(error)
-    return True, (f"passed {len(result)} cases" if isinstance(result, (list, tuple)) else "passed")
-
-
-# ---- grading one answer (in the learner's kernel, or directly in tests) -------------------------------------
-
-
-def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None = HIDDEN_DIR,
-                 check_timeout: float | None = 60.0, generic: bool = True) -> dict:
-    """Visible and hidden checks of one exercise on ``answer``; returns the exercise's result (see module doc)."""
-    from mhc_lab.course.checks import ExerciseIncomplete, get_exercise, run_check
-
-    exercise = get_exercise(exercise_id)
-    result = {"id": exercise.id, "title": exercise.title, "checks": []}
-    learner, learner_calls = recorder(answer) if callable(answer) else (answer, None)
-    try:
-        with _time_limit(check_timeout):
-            cases = run_check(exercise.id, learner)
-        visible = {"name": "visible check", "kind": "visible", "passed": True,
-                   "message": f"passed {len(cases)} cases"}
-    except ExerciseIncomplete as error:
-        result.update(status="not done", score=0.0, message=str(error),
-                      checks=[{"name": "visible check", "kind": "visible", "passed": False, "message": str(error)}])
-        return result
-    except CheckTimeout as error:
-        visible = {"name": "visible check", "kind": "visible", "passed": False, "message": str(error)}
-    except KeyboardInterrupt:
-        raise
-    except BaseException as error:
-        if isinstance(error, NotImplementedError) and str(error).startswith("Exercise"):
-            message = f"{error} -- not done yet: replace the `raise NotImplementedError` line"
-            result.update(status="not done", score=0.0, message=message,
-                          checks=[{"name": "visible check", "kind": "visible", "passed": False, "message": message}])
-            return result
-        visible = {"name": "visible check", "kind": "visible", "passed": False, "message": _message(error)}
-    checks = [visible]
-    if "timed out after" in visible["message"]:  # the hidden checks would only time out again
-        result.update(status="timed out", score=0.0, checks=checks, message=f"visible check: {visible['message']}")
-        return result
-    candidates = list(load_hidden(hidden_dir).get(exercise.id, [])) if hidden_dir else []
-    if generic:
-        candidates += generic_checks(exercise, answer, learner_calls)
-    for check in candidates:
-        passed, message = _attempt(functools.partial(check.run, answer), check_timeout)
-        checks.append({"name": check.name, "kind": "hidden", "passed": passed, "message": message})
-    passed = sum(c["passed"] for c in checks)
-    timed_out = any("timed out after" in c["message"] for c in checks if not c["passed"])
-    status = "passed" if passed == len(checks) else ("timed out" if timed_out and passed == 0 else
-                                                     "partial" if passed else "failed")
-    failures = [f"{c['name']}: {c['message']}" for c in checks if not c["passed"]]
-    result.update(status=status, score=round(passed / len(checks), 3), checks=checks,
-                  message=failures[0] if failures else "")
-    return result
-
-
-def grade_in_kernel(exercises: list[list[str]], hidden_dir: str | None, check_timeout: float | None) -> None:
-    """Run in the learner's kernel after their notebook: grade each (id, function name); print JSON."""
-    from IPython import get_ipython
-
-    from mhc_lab.course.checks import get_exercise, variant
-
-    namespace = get_ipython().user_ns
-    results = []
-    for exercise_id, name in exercises:
-        if name not in namespace:
-            exercise = get_exercise(exercise_id)
-            results.append({"id": exercise_id, "title": exercise.title, "status": "missing", "score": 0.0,
-                            "message": f"no `{name}` defined in the notebook (the lab's check cell uses that name)",
-                            "checks": []})
-            continue
-        try:
-            result = grade_answer(exercise_id, namespace[name], hidden_dir=hidden_dir, check_timeout=check_timeout)
-        except Exception as error:  # a grader bug must not lose the other exercises
-            result = {"id": exercise_id, "status": "error", "score": 0.0, "checks": [],
-                      "message": f"grader error: {type(error).__name__}: {error}"}
-        result["function"] = name
-        results.append(result)
-    print(MARKER + json.dumps({"variant": _jsonable(variant()), "exercises": results}))
-
-
-def _jsonable(value):
-    try:
-        json.dumps(value)
-        return value
-    except TypeError:
-        return {k: repr(v) for k, v in value.items()} if isinstance(value, dict) else repr(value)
-
-
-# ---- which lab, which exercises -----------------------------------------------------------------------------
-
-
-def lab_exercises(solution: Path) -> list[tuple[str, str]]:
-    """(exercise id, name of the learner's function) for each check cell of a lab, in the lab's order."""
-    import nbformat
-
-    nb = nbformat.read(solution, as_version=4)
-    found = {}
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            for exercise_id, name in CHECK_CALL.findall(cell.source):
-                found.setdefault(exercise_id, name)
-    return list(found.items())
-
-
-# ---- the worker: one submission, one kernel -----------------------------------------------------------------
-
-
-def _first_line(source: str) -> str:
-    """A cell's first line of code (comments skipped), to name the cell in a report."""
-    lines = [line for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    if not lines:
-        lines = source.strip().splitlines() or [""]
-    return lines[0].strip()[:80]
-
-
-def _worker(job: dict) -> dict:
-    """Execute one submission and grade it; returns the submission's result (without its path fields)."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import DeadKernelError
-    from papermill.iorw import load_notebook_node
-    from papermill.parameterize import parameterize_notebook
-
-    progress = Path(job["progress"])
-    nb = load_notebook_node(job["submission"])  # papermill's reader: every cell gets metadata.tags
-    nb.cells = [c for c in nb.cells if GRADING_TAG not in c.metadata.get("tags", [])]
-    # Keep what papermill injected when the notebook was handed out (its variant), then apply the grader's.
-    parameters = {**notebook_parameters(nb, tags=("injected-parameters",)), **job["parameters"]}
-    nb = parameterize_notebook(nb, parameters, report_mode=False)
-    if not job.get("whole_notebook"):
-        # The cells after the last exercise check only measure and reflect (a lab never uses the learner's
-        # functions after their check), so grading stops there: much faster, same scores.
-        ids = {exercise_id for exercise_id, _ in job["exercises"]}
-        last = max((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-                    and any(found in ids for found, _ in CHECK_CALL.findall(c.source))), default=None)
-        if last is not None:
-            nb.cells = nb.cells[: last + 1]
-    code = (f"from mhc_lab.classroom.grading import grade_in_kernel as _mhc_grade\n"
-            f"_mhc_grade({json.dumps(job['exercises'])}, {json.dumps(job['hidden_dir'])}, {job['check_timeout']!r})")
-    nb.cells.append(nbformat.v4.new_code_cell(code, metadata={"tags": [GRADING_TAG]}))
-    grading_index = len(nb.cells) - 1
-    # Cells are named by their place in the submission, counted from 1 over all its cells as JupyterLab's status
-    # bar does ("Cell 3/26"); the injected parameters and the grading cell are not counted.
-    ordinal, number = {}, 0
-    for index, cell in enumerate(nb.cells):
-        tags = cell.metadata.get("tags", [])
-        if "injected-parameters" not in tags and GRADING_TAG not in tags:
-            number += 1
-            ordinal[index] = number
-    workdir = Path(job["workdir"])
-    workdir.mkdir(parents=True, exist_ok=True)
-    started: dict[int, float] = {}
-    durations: dict[int, float] = {}
-
-    def on_start(**_):
-        pid = getattr(getattr(client.km, "provisioner", None), "pid", None)
-        progress.write_text(json.dumps({"kernel_pid": pid, "cell": None}))
-
-    def on_execute(cell, cell_index, **_):
-        started[cell_index] = time.monotonic()
-        state = json.loads(progress.read_text()) if progress.exists() else {}
-        state.update(cell=ordinal.get(cell_index), source=_first_line(cell.source), grading=cell_index == grading_index)
-        progress.write_text(json.dumps(state))
-
-    def on_executed(cell, cell_index, **_):
-        durations[cell_index] = time.monotonic() - started.get(cell_index, time.monotonic())
-
-    client = NotebookClient(
-        nb, timeout=job["cell_timeout"], interrupt_on_timeout=True, allow_errors=True, kernel_name="python3",
-        record_timing=True, resources={"metadata": {"path": str(workdir)}}, on_notebook_start=on_start,
-        on_cell_execute=on_execute, on_cell_executed=on_executed,
-    )
-    result: dict[str, Any] = {"parameters": parameters}
-    try:
-        client.execute()
-    except DeadKernelError:
-        state = json.loads(progress.read_text()) if progress.exists() else {}
-        what = ("while grading" if state.get("grading") else
-                f"in cell {state.get('cell')} (`{state.get('source', '')}`)")
-        result.update(status="crashed", detail=f"the kernel died {what}")
-    except Exception as error:
-        result.update(status="crashed", detail=f"{type(error).__name__}: {error}")
-    Path(job["executed"]).parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, job["executed"])
-    errors = []
-    for index, cell in enumerate(nb.cells[:grading_index]):
-        for output in cell.get("outputs", []):
-            if output.get("output_type") == "error":
-                error = {"cell": ordinal.get(index), "source": _first_line(cell.source), "ename": output.get("ename"),
-                         "evalue": (output.get("evalue") or "")[:300]}
-                if output.get("ename") == "KeyboardInterrupt" and durations.get(index, 0) >= job["cell_timeout"] * 0.9:
-                    error["evalue"] = f"interrupted: the cell ran past {job['cell_timeout']} s"
-                    error["ename"] = "timed out"
-                errors.append(error)
-    result["cell_errors"] = errors
-    if result.get("status") != "crashed":
-        payload = None
-        for output in nb.cells[grading_index].get("outputs", []):
-            if output.get("output_type") == "stream" and MARKER in output.get("text", ""):
-                payload = output["text"].split(MARKER, 1)[1].strip().splitlines()[0]
-        if payload is None:
-            failure = next((o for o in nb.cells[grading_index].get("outputs", []) if o.get("output_type") == "error"),
-                           None)
-            detail = f"{failure.get('ename')}: {failure.get('evalue')}" if failure else "no result"
-            result.update(status="crashed", detail=f"grading did not complete: {detail}")
-        else:
-            data = json.loads(payload)
-            for exercise in data["exercises"]:
-                # A value exercise's stub raises where the value is computed, so the name is never defined.
-                stub = next((e for e in errors if e["ename"] in ("NotImplementedError", "ExerciseIncomplete")
-                             and re.match(rf"Exercise {re.escape(exercise['id'])}\b", e["evalue"])), None)
-                if exercise["status"] == "missing" and stub is not None:
-                    exercise.update(status="not done", message=stub["evalue"].split(" -- ")[0]
-                                    + " -- not done yet: replace the `raise NotImplementedError` line")
-            result.update(status="graded", variant=data["variant"], exercises=data["exercises"])
-    return result
-
-
-def _worker_main(job_path: str) -> int:
-    job = json.loads(Path(job_path).read_text())
-    try:
-        result = _worker(job)
-    except Exception as error:
-        result = {"status": "crashed", "detail": f"{type(error).__name__}: {error}",
-                  "traceback": traceback.format_exc()[-2000:]}
-    Path(job["result"]).write_text(json.dumps(result))
-    return 0
+from mhc_lab.classroom.grading_worker import (
+    DEFAULT_PARAMETERS,
+    MAX_CELL_OUTPUT,
+    MAX_OUTPUT,
+    human_size,
+    lab_exercises,
+)
 
 
 # ---- the parent: many submissions ---------------------------------------------------------------------------
 
 
+def _absolute(path: Path | str) -> Path:
+    """``path`` made absolute against the current folder (``..`` folded, symbolic links kept)."""
+    return Path(os.path.abspath(os.path.expanduser(str(path))))
+
+
 def find_submissions(paths: list[Path | str]) -> list[Path]:
-    """Notebooks named by ``paths``: files as given, folders searched recursively (checkpoints skipped)."""
+    """Notebooks named by ``paths`` (made absolute): files as given, folders searched recursively (checkpoints
+    and hidden folders skipped)."""
     found = []
-    for path in map(Path, paths):
+    for path in map(_absolute, paths):
         if path.is_dir():
             found += sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts
                             and not any(part.startswith(".") for part in p.relative_to(path).parts))
         elif path.exists():
             found.append(path)
         else:
-            raise FileNotFoundError(f"no such notebook or folder: {path}")
+            raise FileNotFoundError(f"submission {path}: expected a notebook or a folder of notebooks, found nothing "
+                                    "there")
     return found
 
 
 def _slug(path: Path) -> str:
     text = re.sub(r"[^A-Za-z0-9_.-]+", "__", str(path).strip("/"))
     return text[-120:]
+
+
+def _executed_names(submissions: list[Path]) -> dict[Path, str]:
+    """A distinct file name under executed/ for each submission: its path below their common folder."""
+    if not submissions:
+        return {}
+    common = Path(os.path.commonpath([str(p.parent) for p in submissions]))
+    names: dict[Path, str] = {}
+    taken: set[str] = set()
+    for path in submissions:
+        name = _slug(path.relative_to(common))
+        name = name if name.endswith(".ipynb") else f"{name}.ipynb"
+        base, number = name[: -len(".ipynb")], 2
+        while name in taken:
+            name, number = f"{base}__{number}.ipynb", number + 1
+        taken.add(name)
+        names[path] = name
+    return names
 
 
 def _kill_group(pid: int | None) -> None:
@@ -358,12 +135,77 @@ def _kill_group(pid: int | None) -> None:
             continue
 
 
+class HiddenChecks:
+    """The hidden check files of one folder, read once before any submission runs: their text, which exercises
+    each covers, and a digest to notice a change on disk."""
+
+    def __init__(self, directory: Path | str):
+        self.folder = _absolute(directory)
+        self.sources = read_hidden(self.folder)
+        self.digest = sources_digest(self.sources)
+        self.covers = exercises_of_sources(self.sources, f"hidden checks in {self.folder}")
+
+    def for_lab(self, lab: str, exercise_ids: list[str]) -> dict[str, str]:
+        """The files with checks for these exercises; none is an error naming the folder and the lab."""
+        chosen = {name: text for name, text in self.sources.items() if self.covers[name] & set(exercise_ids)}
+        if not chosen:
+            covered = sorted({i for ids in self.covers.values() for i in ids},
+                             key=lambda i: tuple(map(int, i.split("."))))
+            raise HiddenChecksError(
+                f"hidden checks folder {self.folder}: expected checks for lab {lab} (exercises "
+                f"{', '.join(exercise_ids)}), found checks for exercises {', '.join(covered) or 'none'} only "
+                "(add them, point --hidden at the right folder, or grade with --no-hidden)")
+        return chosen
+
+    def changed(self) -> str | None:
+        """What changed on disk since the files were read, or None."""
+        try:
+            now = read_hidden(self.folder)
+        except HiddenChecksError as error:
+            return str(error)
+        if sources_digest(now) == self.digest:
+            return None
+        edited = {name for name in now if name in self.sources and now[name] != self.sources[name]}
+        differ = sorted((set(now) ^ set(self.sources)) | edited)
+        return f"{', '.join(differ)} differ from what was read before grading"
+
+
+def _read_lines(stream, token: str, state: dict, lock: threading.Lock) -> None:
+    """The parent's side of the worker's channel: lines led by the token are its messages; others are noise."""
+    prefix = token.encode() + b" "
+    for line in iter(stream.readline, b""):
+        if not line.startswith(prefix):
+            continue
+        try:
+            kind, data = line[len(prefix):].decode().split(" ", 1)
+            data = json.loads(data)
+        except ValueError:
+            continue
+        with lock:
+            if kind == "progress":
+                state["progress"].update(data)
+            elif kind == "capped":
+                state["capped"].append(data)
+            elif kind == "result":
+                state["result"] = data
+
+
+def _read_tail(stream, keep: list, limit: int = 8000) -> None:
+    tail = b""
+    for chunk in iter(lambda: stream.read(4096), b""):
+        tail = (tail + chunk)[-limit:]
+    keep.append(tail)
+
+
 def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: float, check_timeout: float,
-              parameters: dict, hidden_dir: Path | None, solutions_dir: Path = SOLUTIONS_DIR,
-              whole_notebook: bool = False) -> dict:
-    """Grade one submission in a worker process with a time budget; never raises."""
+              parameters: dict, hidden: HiddenChecks | None, solutions_dir: Path = SOLUTIONS_DIR,
+              whole_notebook: bool = False, executed_name: str | None = None,
+              max_cell_output: int = MAX_CELL_OUTPUT, max_output: int = MAX_OUTPUT, stop_grace: float = 10.0) -> dict:
+    """Grade one submission in a worker process with a time budget; never raises (but for a folder of hidden
+    checks without checks for its lab). ``hidden=None``: the visible checks only."""
     import nbformat
 
+    submission, out_dir = _absolute(submission), _absolute(out_dir)
     start = time.monotonic()
     row: dict[str, Any] = {"submission": str(submission), "status": None, "lab": None, "score": 0.0,
                            "max_score": 0, "exercises": []}
@@ -378,49 +220,91 @@ def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: 
         return row
     exercises = lab_exercises(solution)
     row.update(lab=solution.name, max_score=len(exercises))
-    slug = _slug(submission)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="grade-", dir=out_dir))
+    sources = hidden.for_lab(solution.name, [i for i, _ in exercises]) if hidden is not None else None
+    executed = out_dir / "executed" / (executed_name or f"{_slug(submission)}")
+    if executed.suffix != ".ipynb":
+        executed = executed.with_name(executed.name + ".ipynb")
+    executed.unlink(missing_ok=True)  # a notebook from an earlier run is not this run's
+    token = secrets.token_hex(32)
     job = {"submission": str(submission), "exercises": [list(e) for e in exercises], "parameters": parameters,
-           "hidden_dir": str(hidden_dir) if hidden_dir else None, "cell_timeout": cell_timeout,
-           "check_timeout": check_timeout, "whole_notebook": whole_notebook, "executed": str(out_dir / "executed" / f"{slug}"),
-           "workdir": str(scratch / "work"), "progress": str(scratch / "progress.json"),
-           "result": str(scratch / "result.json")}
-    if not job["executed"].endswith(".ipynb"):
-        job["executed"] += ".ipynb"
-    (scratch / "job.json").write_text(json.dumps(job))
-    worker = subprocess.Popen([sys.executable, "-m", "mhc_lab.classroom.grading", "--worker", str(scratch / "job.json")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+           "hidden": sources, "generic": hidden is not None, "cell_timeout": cell_timeout,
+           "check_timeout": check_timeout, "whole_notebook": whole_notebook, "executed": str(executed),
+           "max_cell_output": max_cell_output, "max_output": max_output}
+    # The worker and the kernel start in an empty folder of their own: nothing of the grader's beside or above.
+    workdir = Path(tempfile.mkdtemp(prefix="mhc-grade-"))
+    state: dict[str, Any] = {"progress": {}, "capped": [], "result": None}
+    lock = threading.Lock()
+    worker = subprocess.Popen([sys.executable, "-m", "mhc_lab.classroom.grading_worker", "--worker"], cwd=workdir,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    tail: list[bytes] = []
+    readers = [threading.Thread(target=_read_lines, args=(worker.stdout, token, state, lock), daemon=True),
+               threading.Thread(target=_read_tail, args=(worker.stderr, tail), daemon=True)]
+    for reader in readers:
+        reader.start()
+    timed_out = False
     try:
-        log, _ = worker.communicate(timeout=timeout)
-        timed_out = False
+        worker.stdin.write(json.dumps({"token": token, "job": job}).encode())
+        worker.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass
+    try:
+        worker.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        state = json.loads(Path(job["progress"]).read_text()) if Path(job["progress"]).exists() else {}
-        _kill_group(state.get("kernel_pid"))
+        worker.send_signal(signal.SIGTERM)  # the worker writes the notebook as far as it got, then dies
+        try:
+            worker.wait(timeout=stop_grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with lock:
+        progress, capped, result = dict(state["progress"]), list(state["capped"]), state["result"]
+    clean = not timed_out and worker.returncode == 0
+    if not clean:  # whatever the worker left running (its kernel first)
+        _kill_group(progress.get("kernel_pid"))
         _kill_group(worker.pid)
-        log, _ = worker.communicate()
+        worker.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    with lock:
+        capped, result = list(state["capped"]), state["result"]
+    _remove_tree(workdir)
     row["seconds"] = round(time.monotonic() - start, 1)
-    row["executed"] = job["executed"] if Path(job["executed"]).exists() else None
+    row["executed"] = str(executed) if executed.exists() else None
+    where = (" while grading" if progress.get("grading") else
+             f" in cell {progress['cell']} (`{progress.get('source', '')}`)" if progress.get("cell") else "")
     if timed_out:
-        where = (" while grading" if state.get("grading") else
-                 f" in cell {state['cell']} (`{state.get('source', '')}`)" if state.get("cell") else "")
         row.update(status="timed out", detail=f"still running after {timeout:g} s{where}; stopped")
-    elif Path(job["result"]).exists():
-        row.update(json.loads(Path(job["result"]).read_text()))
+    elif worker.returncode < 0:
+        try:
+            name = signal.Signals(-worker.returncode).name
+        except ValueError:
+            name = f"signal {-worker.returncode}"
+        row.update(status="killed", detail=f"the grader's worker was killed by {name}{where}: not graded "
+                                           "(a submission that stops its grader scores zero)")
+    elif worker.returncode != 0 or result is None:
+        lines = (tail[0] if tail else b"").decode(errors="replace").strip().splitlines()[-5:]
+        row.update(status="crashed", detail=f"the grader's worker exited with {worker.returncode} without a result"
+                                            f"{where}: {' | '.join(lines)}")
     else:
-        tail = (log or b"").decode(errors="replace").strip().splitlines()[-5:]
-        row.update(status="crashed", detail=f"the grader's worker exited with {worker.returncode}: {' | '.join(tail)}")
+        row.update({k: v for k, v in result.items() if k not in ("submission", "lab", "score", "max_score",
+                                                                  "executed", "seconds", "warnings")})
+    if capped or row.get("output_capped"):
+        row["output_capped"] = row.get("output_capped") or capped
+        cells = ", ".join(str(c.get("cell")) for c in row["output_capped"])
+        row.setdefault("warnings", []).append(
+            f"output capped in cell {cells}: stored {human_size(max_cell_output)} a cell and {human_size(max_output)} a "
+            "notebook at most (see the executed notebook)")
     titles = dict(_titles(exercises))
-    by_id = {e["id"]: e for e in row.get("exercises") or []}
+    by_id = {e["id"]: e for e in row.get("exercises") or []
+             if isinstance(e, dict) and isinstance(e.get("score"), (int, float))} if row["status"] == "graded" else {}
+    for exercise in by_id.values():
+        exercise["score"] = min(1.0, max(0.0, float(exercise["score"])))
     row["exercises"] = [by_id.get(exercise_id) or {"id": exercise_id, "title": titles.get(exercise_id, ""),
                                                     "function": name, "status": row["status"], "score": 0.0,
                                                     "checks": [], "message": row.get("detail", "")}
                         for exercise_id, name in exercises]
     row["score"] = round(sum(e["score"] for e in row["exercises"]), 3)
-    for path in (Path(job["progress"]), Path(job["result"]), scratch / "job.json"):
-        path.unlink(missing_ok=True)
-    _remove_tree(scratch)
     return row
 
 
@@ -440,21 +324,44 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _labs_of(submissions: list[Path], solutions_dir: Path) -> dict[str, list[str]]:
+    """{lab: its exercise ids} for the labs the submissions belong to (unreadable ones left to grade_one)."""
+    import nbformat
+
+    labs = {}
+    for submission in submissions:
+        try:
+            solution = identify_lab(nbformat.read(submission, as_version=4), submission, solutions_dir)
+        except Exception:
+            continue
+        if solution is not None and solution.name not in labs:
+            labs[solution.name] = [i for i, _ in lab_exercises(solution)]
+    return labs
+
+
 def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/grading"), timeout: float = 900,
                 cell_timeout: float = 300, check_timeout: float = 60, parameters: dict | None = None,
                 variants: Path | str | None = None, hidden_dir: Path | str | None = HIDDEN_DIR, jobs: int = 1,
                 solutions_dir: Path = SOLUTIONS_DIR, whole_notebook: bool = False,
+                max_cell_output: int = MAX_CELL_OUTPUT, max_output: int = MAX_OUTPUT,
                 log: Callable[[str], None] | None = print) -> dict:
     """Grade every submission under ``paths``; write report.json and report.csv in ``out_dir``; return the
-    report."""
-    out_dir = Path(out_dir)
+    report. ``hidden_dir=None`` grades with the visible checks only; a folder of hidden checks that is missing,
+    empty, or has no checks for a lab being graded raises HiddenChecksError before anything runs."""
+    out_dir = _absolute(out_dir)
+    solutions_dir = _absolute(solutions_dir)
+    variants = _absolute(variants) if variants else None
     submissions = find_submissions(paths)
-    hidden = Path(hidden_dir) if hidden_dir and Path(hidden_dir).is_dir() else None
+    hidden = HiddenChecks(hidden_dir) if hidden_dir is not None else None
+    if hidden is not None:
+        for lab, ids in _labs_of(submissions, solutions_dir).items():
+            hidden.for_lab(lab, ids)
     manifest = None
     if variants:
         from mhc_lab.classroom.variants import read_manifest
 
         manifest = read_manifest(variants)
+    names = _executed_names(submissions)
 
     def run(submission: Path) -> dict:
         chosen = {**DEFAULT_PARAMETERS, **(parameters or {})}
@@ -466,8 +373,9 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
             if assigned is not None:
                 chosen.update(assigned["parameters"])
         row = grade_one(submission, out_dir=out_dir, timeout=timeout, cell_timeout=cell_timeout,
-                        check_timeout=check_timeout, parameters=chosen, hidden_dir=hidden,
-                        solutions_dir=solutions_dir, whole_notebook=whole_notebook)
+                        check_timeout=check_timeout, parameters=chosen, hidden=hidden,
+                        solutions_dir=solutions_dir, whole_notebook=whole_notebook, executed_name=names[submission],
+                        max_cell_output=max_cell_output, max_output=max_output)
         if manifest is not None:
             row["student"] = assigned["student"] if assigned else None
             if assigned is None:
@@ -478,12 +386,23 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         rows = list(pool.map(run, submissions))
+    warnings = []
+    if hidden is not None:
+        changed = hidden.changed()
+        if changed:
+            warnings.append(f"the hidden checks in {hidden.folder} changed on disk while grading ({changed}); every "
+                            "submission was graded with the files as read before the first one ran: restore the "
+                            "folder from your own copy, and read the executed notebooks of this run")
     report = {
         "graded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"timeout_s": timeout, "cell_timeout_s": cell_timeout, "check_timeout_s": check_timeout,
                      "parameters": {**DEFAULT_PARAMETERS, **(parameters or {})},
-                     "hidden_checks": str(hidden) if hidden else None, "variants": str(variants) if variants else None,
-                     "whole_notebook": whole_notebook},
+                     "checks": "visible and hidden" if hidden is not None else "visible only (--no-hidden)",
+                     "hidden_checks": str(hidden.folder) if hidden else None,
+                     "hidden_checks_sha256": hidden.digest if hidden else None,
+                     "variants": str(variants) if variants else None, "whole_notebook": whole_notebook,
+                     "max_cell_output_chars": max_cell_output, "max_output_chars": max_output},
+        "warnings": warnings,
         "submissions": rows,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -504,10 +423,24 @@ def write_csv(report: dict, path: Path) -> None:
                              r["max_score"], *[scores.get(i, "") for i in ids]])
 
 
+def _shown(path: str) -> str:
+    """A submission's path as the table shows it: relative to the current folder when below it."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if relative.startswith("..") else relative
+
+
 def format_report(report: dict, details: bool = True) -> str:
     """The score table, one block per lab, then what each non-perfect exercise failed on."""
     lines = []
-    rows = report["submissions"]
+    settings = report.get("settings") or {}
+    if settings.get("checks", "").startswith("visible only"):
+        lines += ["visible checks only: no hidden checks were run (--no-hidden)", ""]
+    for warning in report.get("warnings") or []:
+        lines += [f"warning: {warning}", ""]
+    rows = [{**r, "submission": _shown(r["submission"])} for r in report["submissions"]]
     labs = sorted({r["lab"] or "-" for r in rows})
     for lab in labs:
         group = [r for r in rows if (r["lab"] or "-") == lab]
@@ -539,9 +472,3 @@ def format_report(report: dict, details: bool = True) -> str:
                 lines += [n if len(n) <= 220 else n[:217] + "..." for n in notes]
                 lines.append("")
     return "\n".join(lines).rstrip() + "\n"
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--worker":
-        sys.exit("usage: python -m mhc_lab.classroom.grading --worker JOB (graders run `mhc-lab grade`)")
-    sys.exit(_worker_main(sys.argv[2]))

@@ -7,13 +7,17 @@ inputs, inputs left unchanged, gradients matching the reference's).
     @hidden("3.2", "doubly stochastic at n = 8")
     def _(sinkhorn_answer):
         ...
+
+The grader reads the hidden check files once, in its own process (``read_hidden``), and hands their text to each
+submission's kernel (``registry_from_sources``): no path to them is left where a submission could find it.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
+import hashlib
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,8 +36,13 @@ class HiddenCheck:
     run: Callable[[Any], object]  # raises (CheckFailed or anything) when the answer is wrong
 
 
-HIDDEN: dict[str, list[HiddenCheck]] = {}
-_LOADED: set[Path] = set()
+HIDDEN: dict[str, list[HiddenCheck]] = {}  # checks registered outside a hidden check file (interactively)
+_COLLECTING: list[dict[str, list[HiddenCheck]]] = []  # the registry a hidden check file being run registers into
+_BY_DIRECTORY: dict[Path, dict[str, list[HiddenCheck]]] = {}
+
+
+class HiddenChecksError(ValueError):
+    """A folder of hidden checks is missing, empty, broken, or has no checks for a lab being graded."""
 
 
 def hidden(exercise: str, name: str):
@@ -41,26 +50,70 @@ def hidden(exercise: str, name: str):
     The function takes the learner's answer and raises (a CheckFailed with a plain message) when it is wrong."""
 
     def decorate(fn):
-        HIDDEN.setdefault(exercise, []).append(HiddenCheck(exercise, name, fn))
+        registry = _COLLECTING[-1] if _COLLECTING else HIDDEN
+        registry.setdefault(exercise, []).append(HiddenCheck(exercise, name, fn))
         return fn
 
     return decorate
 
 
+def read_hidden(directory: Path | str) -> dict[str, str]:
+    """The text of every ``lab*.py`` in ``directory`` ({file name: source}); a folder that is missing or holds
+    no such file is an error naming it."""
+    folder = Path(directory).resolve()
+    if not folder.is_dir():
+        raise HiddenChecksError(f"hidden checks folder {folder}: expected a folder of lab*.py files, "
+                                f"{'got a file' if folder.exists() else 'found nothing there'} "
+                                "(grade with --no-hidden to run the visible checks only)")
+    sources = {path.name: path.read_text() for path in sorted(folder.glob("lab*.py")) if path.is_file()}
+    if not sources:
+        raise HiddenChecksError(f"hidden checks folder {folder}: expected lab*.py files, found none "
+                                "(grade with --no-hidden to run the visible checks only)")
+    return sources
+
+
+def sources_digest(sources: dict[str, str]) -> str:
+    """A SHA-256 of a set of hidden check files (names and text), to notice when they change."""
+    digest = hashlib.sha256()
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
+    return digest.hexdigest()
+
+
+def registry_from_sources(sources: dict[str, str], where: str = "hidden checks") -> dict[str, list[HiddenCheck]]:
+    """Run hidden check files given as text ({file name: source}); returns their checks by exercise id. Nothing
+    is read from disk, and the global registry is left alone."""
+    registry: dict[str, list[HiddenCheck]] = {}
+    _COLLECTING.append(registry)
+    try:
+        for name in sorted(sources):
+            stem = Path(name).stem
+            module = types.ModuleType(f"mhc_lab_hidden_{stem}")
+            module.__file__ = f"<{where}: {name}>"
+            sys.modules[module.__name__] = module
+            try:
+                exec(compile(sources[name], module.__file__, "exec"), module.__dict__)
+            except Exception as error:
+                raise HiddenChecksError(f"{where}: {name} does not run: {type(error).__name__}: {error}") from error
+    finally:
+        _COLLECTING.pop()
+    return registry
+
+
+def exercises_of_sources(sources: dict[str, str], where: str = "hidden checks") -> dict[str, set[str]]:
+    """{file name: ids of the exercises it has checks for}."""
+    return {name: set(registry_from_sources({name: text}, where)) for name, text in sources.items()}
+
+
 def load_hidden(directory: Path | str | None = HIDDEN_DIR) -> dict[str, list[HiddenCheck]]:
-    """Import every ``lab*.py`` in ``directory`` once (they register with @hidden); returns the registry."""
+    """The hidden checks of every ``lab*.py`` in ``directory`` by exercise id (read and run once per folder);
+    ``None``: the checks registered outside a hidden check file."""
     if directory is None:
         return HIDDEN
-    for path in sorted(Path(directory).glob("lab*.py")):
-        path = path.resolve()
-        if path in _LOADED:
-            continue
-        spec = importlib.util.spec_from_file_location(f"mhc_lab_hidden_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        _LOADED.add(path)
-    return HIDDEN
+    folder = Path(directory).resolve()
+    if folder not in _BY_DIRECTORY:
+        _BY_DIRECTORY[folder] = registry_from_sources(read_hidden(folder), f"hidden checks in {folder}")
+    return _BY_DIRECTORY[folder]
 
 
 def same_as_reference(answer, reference, *args, case: str, name: str = "result", rel: float = 1e-9, **kwargs):

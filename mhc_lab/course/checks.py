@@ -45,7 +45,7 @@ class Exercise:
 
 REGISTRY: dict[str, Exercise] = {}
 # Modules that register exercises, imported on first use so that a check works after a plain import.
-EXERCISE_MODULES = ("lab00", "lab01", "lab02", "lab03", "lab04", "lab05", "lab06", "lab07")
+EXERCISE_MODULES = ("lab00", "lab01", "lab02", "lab03", "lab04", "lab05", "lab06", "lab07", "lab08")
 
 # One tolerance table: (rtol, atol) for comparing a result of this dtype with a float64 reference.
 TOLERANCE = {

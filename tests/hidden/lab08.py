@@ -1,0 +1,55 @@
+"""Hidden checks for lab 08 (used by `mhc-lab grade`, never shown in a lab): the copy floor for float32 lanes, one
+token and huge blocks; the host's share for 0-d tensors, float32, equal times and a wide batch; the power cap's rule
+for a zero threshold, equal times, 2-D and 0-d tensors."""
+
+import torch
+
+from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
+from mhc_lab.course.checks import CheckFailed, call, randn
+from mhc_lab.course.step_time import copy_floor_overhead, host_share, instruction_bound
+
+
+@hidden("8.1", "float32 lanes, one token, a 7168-wide block, a slow copy")
+def _copy_floor(answer):
+    cases = []
+    for read_C, written_C, C, tokens, copy_gbps, block_ms, itemsize in [
+            (38, 38, 4096, 16384, 4249.0, 37.4, 4), (1, 0, 7, 1, 1.5, 1e-3, 2), (9, 4, 7168, 1 << 20, 3000.0, 900.0, 2),
+            (13, 13, 2560, 16384, 250.0, 16.3, 1)]:
+        case = (f"C={C}, {tokens} tokens, {read_C}C read + {written_C}C written, itemsize {itemsize}, "
+                f"{copy_gbps:g} GB/s, block {block_ms:g} ms")
+        cases.append(same_as_reference(answer, copy_floor_overhead, read_C, written_C, C, tokens, copy_gbps, block_ms,
+                                       itemsize, case=case, name="(extra_ms, overhead_pct)"))
+    return cases
+
+
+@hidden("8.2", "0-d tensors, float32, equal times, a wide batch")
+def _host_share(answer):
+    cases = []
+    graph = 0.1 + randn(64, 33, seed=820).abs()
+    for launched, graph_ms, label in [
+            (torch.tensor(3.0, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64), "0-d, host-bound"),
+            (torch.tensor(2.0, dtype=torch.float64), torch.tensor(2.5, dtype=torch.float64), "0-d, launched below"),
+            (torch.full((4,), 1.5, dtype=torch.float32), torch.full((4,), 1.5, dtype=torch.float32),
+             "float32, equal times"),
+            (graph * (1 + 0.5 * randn(64, 33, seed=821).abs()), graph, "a 64 x 33 batch")]:
+        cases.append(same_as_reference(answer, host_share, launched, graph_ms, case=label, name="host share"))
+    return cases
+
+
+@hidden("8.3", "a zero threshold, equal times, 2-D and 0-d tensors")
+def _instruction_bound(answer):
+    cases = []
+    alone = 0.02 + randn(5, 6, seed=830).abs()
+    for alone_ms, block_ms, threshold, label in [
+            (alone, alone.clone(), 0.0, "equal times, threshold 0: nothing slowed"),
+            (alone, alone * (1 + 0.1 * randn(5, 6, seed=831)), 0.0, "5 x 6 kernels, threshold 0"),
+            (torch.tensor(0.5, dtype=torch.float64), torch.tensor(0.6, dtype=torch.float64), 0.1, "0-d, 20% slower"),
+            (alone, alone * 1.2, 0.25, "all 20% slower, threshold 25%")]:
+        got = call(answer, alone_ms.clone(), block_ms.clone(), threshold, case=label)
+        want = instruction_bound(alone_ms, block_ms, threshold)
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or got.shape != want.shape \
+                or not torch.equal(got, want):
+            raise CheckFailed(f"{label}: expected {want.tolist()}, got "
+                              f"{got.tolist() if isinstance(got, torch.Tensor) else got!r}")
+        cases.append(label)
+    return cases

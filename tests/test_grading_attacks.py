@@ -1,0 +1,266 @@
+"""Grading against a learner who would rather not do the work: forging the result and killing the grader's worker,
+hunting for the hidden checks (job files, the folders above, the environment) and deleting them, relative,
+missing and empty hidden-check folders, 100 MB of output, a notebook that never ends. Each one scores zero or is
+flagged; the honest solution still scores full marks and the lab's stubs zero.
+
+One `grade` run over a folder of small lab 00 notebooks (the smallest lab) with a private copy of the hidden
+checks, one run through the command line with a relative --hidden, one with --no-hidden; the rest needs no kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from mhc_lab.classroom.cli import main
+from mhc_lab.classroom.grading import format_report, grade_paths
+from mhc_lab.classroom.grading_worker import MARKER, OutputCaps
+from mhc_lab.classroom.hidden_checks import HIDDEN_DIR, HiddenChecksError, read_hidden, sources_digest
+from mhc_lab.classroom.notebook_build import LABS_DIR, SOLUTIONS_DIR
+from test_grading import _edit
+
+LAB = "00_setup.ipynb"
+SETUP = "cfg = setup(SIZE, DEVICE, SEED)"
+# Short limits: lab 00 grades in under 10 s alone; the endless notebook costs NOTEBOOK_TIMEOUT.
+NOTEBOOK_TIMEOUT, CELL_TIMEOUT, CHECK_TIMEOUT = 45, 20, 5
+HIDDEN_NAMES = {"every dtype, not only the floating ones", "zero, one and more than 2**32 elements"}
+
+FAKE = [{"id": i, "title": "", "status": "passed", "score": 1.0, "checks": [], "message": ""}
+        for i in ("0.1", "0.2", "0.3")]
+
+FORGE_AND_KILL = f"""
+import json, os, pathlib, signal
+fake = {{"status": "graded", "exercises": {json.dumps(FAKE)}}}
+here = pathlib.Path.cwd()
+job = here.parent / "job.json"
+print("job.json beside the work folder:", job.exists())
+if job.exists():  # how the result could be forged before: the path of the worker's result file is in job.json
+    pathlib.Path(json.loads(job.read_text())["result"]).write_text(json.dumps(fake))
+(here / "result.json").write_text(json.dumps(fake))
+print({MARKER!r} + json.dumps({{"variant": {{}}, "exercises": fake["exercises"]}}))
+for fd in (1, 2):  # straight to the descriptors the kernel inherited from the worker
+    os.write(fd, ({MARKER!r} + json.dumps(fake) + "\\n").encode())
+os.kill(os.getppid(), signal.SIGKILL)  # the worker, before it writes anything of its own
+"""
+
+HUNT = f"""
+import json, os, pathlib, shutil
+found = []
+here = pathlib.Path.cwd()
+print("work folder holds:", sorted(p.name for p in here.iterdir()))
+for folder in [here, *here.parents]:
+    for name in ("job.json", "result.json", "progress.json", "report.json", "executed"):
+        if (folder / name).exists():
+            found.append(str(folder / name))
+    try:
+        job = json.loads((folder / "job.json").read_text())
+    except Exception:
+        job = {{}}
+    for key in ("hidden_dir", "hidden"):
+        if isinstance(job.get(key), str) and os.path.isdir(job[key]):
+            found.append(job[key])
+            shutil.rmtree(job[key], ignore_errors=True)
+    for path in folder.glob("*/lab0*.py"):  # a folder of hidden checks beside one of those above
+        if "hidden" in path.parent.name:
+            found.append(str(path))
+            path.unlink()
+for key, value in os.environ.items():
+    if "hidden" in value.lower() and os.path.exists(value):
+        found.append(f"{{key}}={{value}}")
+print("FOUND:", found)
+print({MARKER!r} + json.dumps({{"variant": {{}}, "exercises": {json.dumps(FAKE)}}}))
+os.write(1, ({MARKER!r} + json.dumps({json.dumps(FAKE)}) + "\\n").encode())
+"""
+
+ENDLESS = """
+print("reached the endless loop")
+import signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _with_cell(source: Path, code: str, target: Path) -> Path:
+    nb = _edit(nbformat.read(source, as_version=4), SETUP, SETUP + "\n" + code.strip())
+    nbformat.write(nb, target)
+    return target
+
+
+def _rows(report, folder):
+    return {Path(r["submission"]).relative_to(folder).as_posix(): r for r in report["submissions"]}
+
+
+@pytest.fixture(scope="module")
+def private_hidden(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("private") / "hidden_checks"
+    shutil.copytree(HIDDEN_DIR, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory, private_hidden):
+    folder = tmp_path_factory.mktemp("attacks")
+    digest = sources_digest(read_hidden(private_hidden))
+    _with_cell(LABS_DIR / LAB, HUNT, folder / "a_hunt_00_setup.ipynb")
+    _with_cell(LABS_DIR / LAB, FORGE_AND_KILL, folder / "b_forge_00_setup.ipynb")
+    _with_cell(SOLUTIONS_DIR / LAB, 'print("x" * 100_000_000)', folder / "c_loud_00_setup.ipynb")
+    _with_cell(SOLUTIONS_DIR / LAB, ENDLESS, folder / "d_endless_00_setup.ipynb")
+    shutil.copy(LABS_DIR / LAB, folder / "e_stub_00_setup.ipynb")
+    shutil.copy(SOLUTIONS_DIR / LAB, folder / "f_honest_00_setup.ipynb")
+    out = tmp_path_factory.mktemp("graded")
+    report = grade_paths([folder], out_dir=out, timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
+                         check_timeout=CHECK_TIMEOUT, hidden_dir=private_hidden, jobs=2, log=None)
+    return {"report": report, "rows": _rows(report, folder), "out": out, "digest": digest}
+
+
+def _executed(row) -> str:
+    assert row["executed"] and Path(row["executed"]).exists(), row
+    return Path(row["executed"]).read_text()
+
+
+@pytest.mark.notebooks
+def test_honest_solution_scores_full_marks_and_the_stub_zero(attacked):
+    honest = attacked["rows"][f"f_honest_{LAB}"]
+    assert honest["status"] == "graded" and honest["score"] == honest["max_score"] == 3, format_report(
+        {"submissions": [honest]})
+    assert HIDDEN_NAMES <= {c["name"] for e in honest["exercises"] for c in e["checks"]}
+    stub = attacked["rows"][f"e_stub_{LAB}"]
+    assert stub["status"] == "graded" and stub["score"] == 0
+    assert all(e["status"] == "not done" for e in stub["exercises"])
+
+
+@pytest.mark.notebooks
+def test_a_forged_result_and_a_killed_worker_score_zero(attacked):
+    row = attacked["rows"][f"b_forge_{LAB}"]
+    assert row["status"] == "killed" and row["score"] == 0, row
+    assert "SIGKILL" in row["detail"] and "cell 3" in row["detail"]
+    assert all(e["score"] == 0 and e["status"] == "killed" for e in row["exercises"])
+    nb = nbformat.reads(_executed(row), as_version=4)  # the notebook as far as it got is kept
+    assert any("os.kill(os.getppid()" in c.source for c in nb.cells)
+
+
+@pytest.mark.notebooks
+def test_hunting_for_the_hidden_checks_finds_nothing_and_they_stay(attacked, private_hidden):
+    row = attacked["rows"][f"a_hunt_{LAB}"]
+    assert row["status"] == "graded" and row["score"] == 0, row  # the printed fake result counts for nothing
+    text = _executed(row)
+    assert "work folder holds: []" in text and "FOUND: []" in text, text[-3000:]
+    assert sources_digest(read_hidden(private_hidden)) == attacked["digest"]
+    assert not attacked["report"]["warnings"]
+    assert str(private_hidden) not in "".join(Path(r["executed"]).read_text() for r in attacked["rows"].values()
+                                              if r.get("executed"))
+
+
+@pytest.mark.notebooks
+def test_100_megabytes_of_output_are_capped_and_flagged(attacked):
+    row = attacked["rows"][f"c_loud_{LAB}"]
+    assert row["status"] == "graded" and row["score"] == 3, row.get("detail")
+    assert row["output_capped"] and row["output_capped"][0]["cap"] == "per-cell", row.get("output_capped")
+    assert row["output_capped"][0]["produced_chars"] >= 100_000_000
+    assert any("output capped" in w for w in row["warnings"])
+    assert Path(row["executed"]).stat().st_size < 2_500_000
+    assert "[output capped by the grader" in _executed(row)
+    assert "output capped" in format_report(attacked["report"])
+
+
+@pytest.mark.notebooks
+def test_a_notebook_that_never_ends_is_timed_out_and_its_partial_notebook_kept(attacked):
+    row = attacked["rows"][f"d_endless_{LAB}"]
+    assert row["status"] == "timed out" and row["score"] == 0, row
+    assert "in cell 3" in row["detail"]
+    nb = nbformat.reads(_executed(row), as_version=4)
+    texts = ["".join(o.get("text", "") for o in c.get("outputs", [])) for c in nb.cells if c.cell_type == "code"]
+    assert any("reached the endless loop" in t for t in texts), texts[:5]
+    assert not any("The grader's cell ran here" in c.source for c in nb.cells)
+
+
+# ---- hidden-check folders: relative, deleted mid-run, missing, empty, without the lab, --no-hidden --------------
+
+
+@pytest.mark.notebooks
+def test_relative_hidden_folder_is_used_and_a_deleted_one_still_grades_the_rest(tmp_path, monkeypatch, capsys):
+    """Through the command line from another folder, with --hidden relative: a submission that knows where the
+    hidden checks are (as if it had searched the disk) deletes them; the next one is graded with them all the same,
+    the report warns, and the next run refuses the emptied folder."""
+    hidden = tmp_path / "private_hidden"
+    shutil.copytree(HIDDEN_DIR, hidden, ignore=shutil.ignore_patterns("__pycache__"))
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    _with_cell(LABS_DIR / LAB, f"import shutil\nshutil.rmtree({str(hidden)!r})", subs / "a_delete_00_setup.ipynb")
+    shutil.copy(SOLUTIONS_DIR / LAB, subs / "b_honest_00_setup.ipynb")
+    monkeypatch.chdir(tmp_path)
+    code = main(["grade", "subs", "--hidden", "private_hidden", "--out", "out", "--json", "report.json",
+                 "--timeout", "120", "--cell-timeout", "30", "--check-timeout", str(CHECK_TIMEOUT)])
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["settings"]["hidden_checks"] == str(hidden)
+    rows = _rows(report, subs)
+    deleter, honest = rows[f"a_delete_{LAB}"], rows[f"b_honest_{LAB}"]
+    assert deleter["score"] == 0 and not hidden.exists()
+    assert honest["score"] == 3 and HIDDEN_NAMES <= {c["name"] for e in honest["exercises"] for c in e["checks"]}
+    assert any("changed on disk while grading" in w for w in report["warnings"])
+    assert "changed on disk while grading" in capsys.readouterr().out
+    assert main(["grade", "subs", "--hidden", "private_hidden", "--out", "out"]) == 2
+    assert f"hidden checks folder {hidden}" in capsys.readouterr().err
+
+
+def test_missing_empty_or_unrelated_hidden_folders_are_errors(tmp_path, capsys):
+    submission = tmp_path / LAB
+    shutil.copy(SOLUTIONS_DIR / LAB, submission)
+    out = tmp_path / "out"
+    assert main(["grade", str(submission), "--hidden", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"hidden checks folder {tmp_path / 'nowhere'}" in err and "found nothing there" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["grade", str(submission), "--hidden", str(tmp_path / "empty"), "--out", str(out)]) == 2
+    assert "expected lab*.py files, found none" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    shutil.copy(HIDDEN_DIR / "lab01.py", tmp_path / "other" / "lab01.py")
+    assert main(["grade", str(submission), "--hidden", str(tmp_path / "other"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'other'}: expected checks for lab {LAB}" in err and "--no-hidden" in err
+    assert main(["grade", str(submission), "--hidden", str(tmp_path / "other"), "--no-hidden"]) == 2
+    assert not out.exists(), "nothing may run before the hidden checks are found good"
+    with pytest.raises(HiddenChecksError, match="found nothing there"):
+        grade_paths([submission], out_dir=out, hidden_dir=tmp_path / "nowhere", log=None)
+
+
+@pytest.mark.notebooks
+def test_no_hidden_grades_with_the_visible_checks_only_and_says_so(tmp_path, capsys):
+    shutil.copy(SOLUTIONS_DIR / LAB, tmp_path / LAB)
+    code = main(["grade", str(tmp_path / LAB), "--no-hidden", "--out", str(tmp_path / "out"), "--timeout", "120"])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "visible checks only" in captured.out and "--no-hidden" in captured.err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["settings"]["checks"] == "visible only (--no-hidden)" and report["settings"]["hidden_checks"] is None
+    row = report["submissions"][0]
+    assert row["score"] == 3 and all([c["name"] for c in e["checks"]] == ["visible check"] for e in row["exercises"])
+
+
+# ---- output caps, without a kernel ---------------------------------------------------------------------------
+
+
+def test_output_caps_per_cell_and_per_notebook():
+    noted = []
+    caps = OutputCaps(per_cell=100, per_notebook=250, on_cap=lambda index, record: noted.append((index, record)))
+    cells = []
+    for index in range(4):
+        cell = nbformat.v4.new_code_cell("print('x' * 90)")
+        for _ in range(3 if index == 0 else 1):  # cell 0 prints 270 characters, the others 90 each
+            cell.outputs.append(nbformat.v4.new_output("stream", name="stdout", text="x" * 90))
+            caps.admit(cell.outputs, index)
+        caps.finish(cell, index)
+        cells.append(cell)
+    stored = [sum(len(o["text"]) for o in c.outputs if o["output_type"] == "stream") for c in cells]
+    assert stored == [100, 90, 60, 0]
+    assert [(i, r["cap"]) for i, r in noted] == [(0, "per-cell"), (2, "per-notebook"), (3, "per-notebook")]
+    assert "per-cell cap of 100 characters" in cells[0].outputs[-1]["data"]["text/plain"]
+    assert [o["output_type"] for o in cells[1].outputs] == ["stream"]
+    caps.finish(cells[0], 0)  # finishing again changes nothing and adds no second note
+    assert len(cells[0].outputs) == 3 and stored[0] == sum(len(o.get("text", "")) for o in cells[0].outputs)
