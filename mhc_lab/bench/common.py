@@ -9,6 +9,7 @@ import statistics
 
 import torch
 
+from mhc_lab.measure import bench_command, save_sections
 from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
 
 N = 4  # lanes, as in the paper's models and DeepSeek-V4
@@ -164,3 +165,20 @@ def overheads(rounds_ms: dict[str, list[float]], base: str = "residual") -> dict
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """'16384x2560,8192x7168' -> [(16384, 2560), (8192, 7168)]."""
     return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+
+
+def section_saver(suite: str, args, argv, *, recording: str, order: tuple, sections: dict):
+    """save(final) for a suite whose recording is made of sections (forward, training): writes ``sections`` as
+    they stand (marked partial until ``final``) into the recording args.name, keeping its other sections;
+    nothing with --no-save. The file's full command keeps only the --name and --out this run was given."""
+    where = ["--name", args.name] if args.name != recording else []
+    where += ["--out", args.out_dir] if args.out_dir else []
+
+    def save(final: bool):
+        if args.no_save:
+            return None
+        marked = {k: v if final else {**v, "partial": True} for k, v in sections.items()}
+        return save_sections(args.name, marked, command=bench_command(suite, argv),
+                             full_command=bench_command(suite, where), order=order, directory=args.out_dir)
+
+    return save

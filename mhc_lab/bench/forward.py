@@ -32,10 +32,10 @@ from mhc_lab.bench.common import (
     parse_shapes,
     reference_site,
     rel,
+    section_saver,
     site_inputs,
     tilekernels_site,
 )
-from mhc_lab.measure import bench_command, save_sections
 from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
 
 PARTS = ("sites", "reference")
@@ -234,15 +234,7 @@ def main(argv=None) -> int:
         sections["sites"] = {**_setup(timer_name, copy), "l2_read_gbps": l2_read_bandwidth(), "shapes": []}
     if "reference" in parts:
         sections["reference"] = {**_setup(timer_name, copy), "shapes": []}
-    where = ["--name", args.name] if args.name != RECORDING else []
-    where += ["--out", args.out_dir] if args.out_dir else []
-
-    def save(final: bool):
-        if args.no_save:
-            return None
-        marked = {k: v if final else {**v, "partial": True} for k, v in sections.items()}
-        return save_sections(args.name, marked, command=bench_command("forward", argv),
-                             full_command=bench_command("forward", where), order=PARTS, directory=args.out_dir)
+    save = section_saver("forward", args, argv, recording=RECORDING, order=PARTS, sections=sections)
 
     t0 = time.time()
     for tokens, C in shapes:

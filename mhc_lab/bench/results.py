@@ -10,6 +10,7 @@ it was measured on; tests/test_results_docs.py fails when a recording changed an
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from mhc_lab.measure.recordings import RECORDED_DIR, recorded_or_none
@@ -19,6 +20,10 @@ RESULTS_MD = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 README_BEGIN = "<!-- results -->"
 README_END = "<!-- end of results -->"
+
+
+def _median_or_none(values) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _measured(section: dict) -> str:
@@ -98,17 +103,9 @@ def block_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
         if any(c != "- / -" for c in cells):
             rows.append([label] + cells)
     plain = ["plain residual block, ms"] + [
-        " / ".join(_ms(_median(w.get(mode, {}).get("rounds_ms", {}).get("residual"))) for mode in ("launched", "graph"))
+        " / ".join(_ms(_median_or_none(w.get(mode, {}).get("rounds_ms", {}).get("residual"))) for mode in ("launched", "graph"))
         for w in widths]
     return header, [plain] + rows, _measured(block)
-
-
-def _median(values) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def results_markdown(recordings: dict) -> str:

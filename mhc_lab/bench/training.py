@@ -25,11 +25,10 @@ import time
 import torch
 
 from mhc_lab.bench.block import BLOCK_KINDS, bench_block
-from mhc_lab.bench.common import N, SHAPES, copy_bandwidth, gpu_timer, parse_shapes
+from mhc_lab.bench.common import N, SHAPES, copy_bandwidth, gpu_timer, parse_shapes, section_saver
 from mhc_lab.bench.host import bench_host
 from mhc_lab.bench.kernels import bench_block_kernels
 from mhc_lab.bench.site import bench_site
-from mhc_lab.measure import bench_command, save_sections
 
 RECORDING = "training_h200"
 PARTS = ("site", "block", "block_kernels", "host")
@@ -83,15 +82,7 @@ def main(argv=None) -> int:
     print(f"copy {copy:.0f} GB/s")
     setup = {"timer": timer_name, "n": N, "dtype": "bfloat16", "copy_gbps": copy}
     sections = {}
-    where = ["--name", args.name] if args.name != RECORDING else []
-    where += ["--out", args.out_dir] if args.out_dir else []
-
-    def save(final: bool):
-        if args.no_save:
-            return None
-        marked = {k: v if final else {**v, "partial": True} for k, v in sections.items()}
-        return save_sections(args.name, marked, command=bench_command("training", argv),
-                             full_command=bench_command("training", where), order=PARTS, directory=args.out_dir)
+    save = section_saver("training", args, argv, recording=RECORDING, order=PARTS, sections=sections)
 
     t0 = time.time()
     if "site" in parts:

@@ -423,28 +423,26 @@ def bytes_table(forward_sites: dict | None, block_kernels: dict | None, forward_
         return "(no kernel times recorded)"
     head = f"  {'kernel':<42}{'moves':>6}{'ms':>8}{'of copy':>9}{'beyond':>9}"
     lines = []
+
+    def by_shape(kernel_rows, head_suffix: str = "", last_column=lambda r: ""):
+        shape = None
+        for r in kernel_rows:
+            if (r["tokens"], r["C"]) != shape:
+                lines.append(f"{r['tokens']} x {r['C']}\n{head}{head_suffix}")
+                shape = (r["tokens"], r["C"])
+            lines.append(f"  {r['kernel']:<42}{r['elements']:>5}C{r['ms']:>8.3f}{r['share']:>9.0%}"
+                         f"{r['beyond_ms']:>9.3f}{last_column(r)}")
+
     if rows["forward"]:
         lines.append(f"Our forward kernels, each timed alone (copy {forward_sites['copy_gbps']:.0f} GB/s). "
                      + forward_label)
-        last = None
-        for r in rows["forward"]:
-            if (r["tokens"], r["C"]) != last:
-                lines.append(f"{r['tokens']} x {r['C']}\n{head}")
-                last = (r["tokens"], r["C"])
-            lines.append(f"  {r['kernel']:<42}{r['elements']:>5}C{r['ms']:>8.3f}{r['share']:>9.0%}"
-                         f"{r['beyond_ms']:>9.3f}")
+        by_shape(rows["forward"])
     if rows["block"]:
         lines.append(f"\nThe training step's kernels with identity layers, per launch (copy "
                      f"{block_kernels['copy_gbps']:.0f} GB/s). " + block_label)
-        last = None
-        for r in rows["block"]:
-            if (r["tokens"], r["C"]) != last:
-                lines.append(f"{r['tokens']} x {r['C']}\n{head}   in the block (section 3)")
-                last = (r["tokens"], r["C"])
-            lines.append(f"  {r['kernel']:<42}{r['elements']:>5}C{r['ms']:>8.3f}{r['share']:>9.0%}"
-                         f"{r['beyond_ms']:>9.3f}   {r['verdict']}")
-    lines.append(f"(moves: C-wide bf16 elements read + written per token; of copy: those bytes' time at the copy's "
-                 f"pace over the kernel's; beyond: ms above that time)")
+        by_shape(rows["block"], "   in the block (section 3)", lambda r: f"   {r['verdict']}")
+    lines.append("(moves: C-wide bf16 elements read + written per token; of copy: those bytes' time at the copy's "
+                 "pace over the kernel's; beyond: ms above that time)")
     return "\n".join(lines)
 
 
