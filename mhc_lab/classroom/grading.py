@@ -41,7 +41,6 @@ checks; the executed notebooks are kept next to the report for review.
 from __future__ import annotations
 
 import concurrent.futures
-import csv
 import datetime as _dt
 import json
 import os
@@ -68,6 +67,7 @@ from mhc_lab.classroom.hidden_checks import (
     sources_digest,
 )
 
+from mhc_lab.classroom.report import format_report, write_csv  # noqa: F401  (format_report: the CLI's)
 from mhc_lab.classroom.grading_worker import (
     DEFAULT_PARAMETERS,
     MAX_CELL_OUTPUT,
@@ -409,66 +409,3 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_csv(report, out_dir / "report.csv")
     return report
-
-
-def write_csv(report: dict, path: Path) -> None:
-    ids = sorted({e["id"] for r in report["submissions"] for e in r["exercises"]},
-                 key=lambda i: tuple(int(p) for p in i.split(".")))
-    with open(path, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["submission", "student", "lab", "status", "score", "max_score", *ids])
-        for r in report["submissions"]:
-            scores = {e["id"]: e["score"] for e in r["exercises"]}
-            writer.writerow([r["submission"], r.get("student") or "", r["lab"] or "", r["status"], r["score"],
-                             r["max_score"], *[scores.get(i, "") for i in ids]])
-
-
-def _shown(path: str) -> str:
-    """A submission's path as the table shows it: relative to the current folder when below it."""
-    try:
-        relative = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if relative.startswith("..") else relative
-
-
-def format_report(report: dict, details: bool = True) -> str:
-    """The score table, one block per lab, then what each non-perfect exercise failed on."""
-    lines = []
-    settings = report.get("settings") or {}
-    if settings.get("checks", "").startswith("visible only"):
-        lines += ["visible checks only: no hidden checks were run (--no-hidden)", ""]
-    for warning in report.get("warnings") or []:
-        lines += [f"warning: {warning}", ""]
-    rows = [{**r, "submission": _shown(r["submission"])} for r in report["submissions"]]
-    labs = sorted({r["lab"] or "-" for r in rows})
-    for lab in labs:
-        group = [r for r in rows if (r["lab"] or "-") == lab]
-        ids = [e["id"] for e in group[0]["exercises"]] if group[0]["exercises"] else []
-        width = max([len("submission")] + [len(r["submission"]) for r in group])
-        lines.append(f"lab {lab}")
-        lines.append(f"  {'submission':<{width}}  {'status':<11}" + "".join(f"{i:>6}" for i in ids) + "   total")
-        for r in group:
-            scores = {e["id"]: e for e in r["exercises"]}
-            cells = "".join(f"{scores[i]['score']:>6.2f}" if r["status"] == "graded" else f"{'-':>6}" for i in ids)
-            lines.append(f"  {r['submission']:<{width}}  {r['status']:<11}{cells}   {r['score']:g}/{r['max_score']}")
-        lines.append("")
-    if details:
-        for r in rows:
-            notes = []
-            if r["status"] != "graded":
-                notes.append(f"  {r['status']}: {r.get('detail', '')}")
-            for warning in r.get("warnings", []):
-                notes.append(f"  warning: {warning}")
-            if r.get("variant") and (r.get("student") or r["variant"] != {"SEED": 0}):
-                notes.append(f"  variant: {', '.join(f'{k}={v}' for k, v in r['variant'].items())}")
-            for e in r["exercises"]:
-                if r["status"] == "graded" and e["score"] < 1:
-                    notes.append(f"  {e['id']} {e.get('title', '')}: {e['status']}, {e['score']:g}: {e['message']}")
-            for error in r.get("cell_errors", []):
-                notes.append(f"  cell {error['cell']} (`{error['source']}`): {error['ename']}: {error['evalue']}")
-            if notes:
-                lines.append(r["submission"])
-                lines += [n if len(n) <= 220 else n[:217] + "..." for n in notes]
-                lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
