@@ -4,6 +4,8 @@
 #   make lab      install, then open JupyterLab on labs/
 #   make labs     regenerate labs/ from solutions/
 #   make bench    GPU benchmarks, recorded as JSON in mhc_lab/recorded/ (needs a CUDA GPU)
+#   make wheel    the package alone (mhc_lab: no solutions, no tests, no hidden checks) as a wheel to hand
+#                 out with the notebooks (build/dist/): students run `pip install mhc_lab-*.whl`
 #   make browser  what the browser test needs: Debian's Chromium where apt-get runs without a password (else
 #                 the test is skipped, unless BROWSER=required); playwright drives it (it downloads no browser)
 
@@ -17,7 +19,7 @@ CHROMIUM ?= /usr/bin/chromium
 BROWSER ?= optional
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install course test lab labs solutions bench browser clean
+.PHONY: install course test lab labs solutions bench browser wheel clean
 
 install: $(VENV)/.installed
 
@@ -57,6 +59,16 @@ solutions: install
 
 bench: install
 	$(PY) -m mhc_lab.bench all
+
+# Built from a copy of mhc_lab/ and the project files only, so nothing else of the repository (and no stale
+# build folder) can end up in the wheel.
+wheel: install
+	rm -rf build/wheel-src && mkdir -p build/wheel-src build/dist
+	cp -R pyproject.toml README.md LICENSE mhc_lab build/wheel-src/
+	find build/wheel-src -name __pycache__ -prune -exec rm -rf {} +
+	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w build/dist build/wheel-src
+	rm -rf build/wheel-src
+	@ls build/dist/*.whl
 
 clean:
 	rm -rf build .pytest_cache

@@ -1,4 +1,7 @@
-"""Every exercise check passes its reference solution, fails its stub, and names each registered mistake."""
+"""Every exercise check passes the library's function for it (called under another code object, as a learner's own
+would be), fails the library function itself, fails its stub, and names each registered mistake."""
+
+import types
 
 import pytest
 
@@ -18,10 +21,40 @@ def test_some_exercises_are_registered():
     assert len(EXERCISES) >= 3
 
 
+def own_copy(fn):
+    """``fn`` rebuilt from a copy of its code: it computes the same, as a learner's own function would, and is
+    not the library's code."""
+    inner = getattr(fn, "__wrapped__", fn)
+    code = inner.__code__.replace(co_name=inner.__code__.co_name + "_own")
+    copy = types.FunctionType(code, inner.__globals__, inner.__name__, inner.__defaults__, inner.__closure__)
+    copy.__kwdefaults__ = inner.__kwdefaults__
+    return copy
+
+
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
-def test_solution_passes(exercise, capsys):
-    check(exercise.id, exercise.solution)
+def test_the_library_equation_passes(exercise, capsys):
+    check(exercise.id, own_copy(exercise.library_function()))
     assert f"Exercise {exercise.id} ({exercise.title}): passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
+def test_calling_the_library_function_itself_fails(exercise):
+    library = exercise.library_function()
+
+    def calls_the_library(*args, **kwargs):
+        return library(*args, **kwargs)
+
+    for answer in (library, calls_the_library):
+        with pytest.raises(CheckFailed, match=f"calls `{exercise.library}`, the library's own answer"):
+            run_check(exercise.id, answer)
+
+
+def test_registry_holds_no_answers():
+    from mhc_lab.course.checks import Exercise
+
+    assert "solution" not in Exercise.__dataclass_fields__
+    for exercise in EXERCISES:
+        assert isinstance(exercise.library, str) and callable(exercise.library_function()), exercise.id
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
@@ -30,8 +63,6 @@ def test_stub_fails_as_not_done(exercise):
         raise NotImplementedError(f"Exercise {exercise.id}: {exercise.title}")
 
     answer = stub
-    if not callable(exercise.solution):  # predict-then-measure exercises take a value; their stub raises itself
-        pytest.skip("value exercise: its stub is the raise in the notebook")
     with pytest.raises(ExerciseIncomplete, match=f"Exercise {exercise.id}"):
         run_check(exercise.id, answer)
 

@@ -32,6 +32,7 @@ from mhc_lab.classroom.notebook_build import (
     solution_notebooks,
 )
 from mhc_lab.course.setup import setup
+from test_checks import own_copy
 
 EXERCISES = all_exercises()
 SOLUTIONS = solution_notebooks(SOLUTIONS_DIR)
@@ -44,13 +45,13 @@ NOTEBOOK_TIMEOUT, CELL_TIMEOUT, CHECK_TIMEOUT = 90, 30, 5
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
-def test_reference_solution_passes_every_hidden_check(exercise):
-    result = grade_answer(exercise.id, exercise.solution, hidden_dir=HIDDEN_DIR)
+def test_the_library_equation_passes_every_hidden_check(exercise):
+    result = grade_answer(exercise.id, own_copy(exercise.library_function()), hidden_dir=HIDDEN_DIR)
     failed = [c for c in result["checks"] if not c["passed"]]
     assert result["score"] == 1.0 and not failed, failed
 
 
-@pytest.mark.parametrize("exercise", [e for e in EXERCISES if callable(e.solution)], ids=lambda e: e.id)
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
 def test_stub_scores_zero_with_its_message(exercise):
     def stub(*args, **kwargs):
         raise NotImplementedError(f"Exercise {exercise.id}: {exercise.title}")
@@ -74,12 +75,12 @@ def test_hidden_checks_catch_what_the_visible_check_misses():
 def test_generic_hidden_checks_catch_detached_and_in_place_answers():
     exercise = next((e for e in EXERCISES if e.id.startswith(("1.", "2.", "3."))
                      and any(c["name"].startswith("gradients") for c in
-                             grade_answer(e.id, e.solution, hidden_dir=None)["checks"])), None)
+                             grade_answer(e.id, own_copy(e.library_function()), hidden_dir=None)["checks"])), None)
     if exercise is None:
         pytest.skip("no exercise with tensor inputs and gradients is registered yet")
 
     def detached(*args, **kwargs):
-        return exercise.solution(*args, **kwargs).detach()
+        return own_copy(exercise.library_function())(*args, **kwargs).detach()
 
     result = grade_answer(exercise.id, detached, hidden_dir=None)
     assert result["checks"][0]["passed"] and result["status"] == "partial"
@@ -112,7 +113,7 @@ def test_value_answers_depend_on_the_variant(capsys):
     """A value exercise's checker computes its expected value from checks.variant(): a number copied from
     another variant fails."""
 
-    @register("99.1", "predict the sum of your seeded numbers", hints=["Add them up."], solution=None)
+    @register("99.1", "predict the sum of your seeded numbers", hints=["Add them up."], library=None)
     def _check(answer):
         expected = float(checks.randn(16, seed=checks.variant_seed(7)).sum())
         expect_number(answer, expected, case=f"SEED={checks.variant_value('SEED')}", name="the sum",
@@ -253,6 +254,25 @@ def test_every_submission_keeps_its_executed_notebook_without_the_hidden_checks(
         nb = nbformat.read(row["executed"], as_version=4)
         text = Path(row["executed"]).read_text()
         assert not any(line in text for line in hidden_text), row["submission"]
-        assert "grade_in_kernel" not in text and str(HIDDEN_DIR) not in text, row["submission"]
+        assert "grading_kernel" not in text and str(HIDDEN_DIR) not in text, row["submission"]
         assert nb.cells, row["submission"]
 
+
+
+@pytest.mark.notebooks
+def test_cell_numbers_in_a_variant_handout_match_jupyterlab(tmp_path):
+    """A handout made by `mhc-lab variants` has a parameters cell of its own, which JupyterLab shows and counts:
+    the report names a failing cell by the number JupyterLab gives it."""
+    from mhc_lab.classroom.variants import make_handout
+
+    make_handout(LABS_DIR / "00_setup.ipynb", ["ada"], tmp_path / "handout", secret="s")
+    handout = tmp_path / "handout" / "ada" / "00_setup.ipynb"
+    nb = nbformat.read(handout, as_version=4)
+    assert any("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells)
+    nb = _edit(nb, 'check("0.2", gigabytes_per_second)', 'raise ValueError("here")\ncheck("0.2", gigabytes_per_second)')
+    jupyterlab_number = next(i for i, c in enumerate(nb.cells, start=1) if 'raise ValueError("here")' in c.source)
+    nbformat.write(nb, handout)
+    report = grade_paths([handout], out_dir=tmp_path / "out", timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
+                         check_timeout=CHECK_TIMEOUT, hidden_dir=None, log=None)
+    errors = [e for e in report["submissions"][0]["cell_errors"] if e["ename"] == "ValueError"]
+    assert [e["cell"] for e in errors] == [jupyterlab_number], report["submissions"][0]["cell_errors"]

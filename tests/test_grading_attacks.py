@@ -1,7 +1,9 @@
 """Grading against a learner who would rather not do the work: forging the result and killing the grader's worker,
-hunting for the hidden checks (job files, the folders above, the environment) and deleting them, relative,
-missing and empty hidden-check folders, 100 MB of output, a notebook that never ends. Each one scores zero or is
-flagged; the honest solution still scores full marks and the lab's stubs zero.
+hunting for the hidden checks (job files, the folders above, the environment) and deleting them, answering with
+the library's own functions (imported, wrapped, taken from the check registry), replacing the checks and the
+grader inside the kernel, replacing the kernel's side of the grading channel, relative, missing and empty
+hidden-check folders, 100 MB of output, a notebook that never ends. Each one scores zero or is flagged; the
+honest solution still scores full marks and the lab's stubs zero.
 
 One `grade` run over a folder of small lab 00 notebooks (the smallest lab) with a private copy of the hidden
 checks, one run through the command line with a relative --hidden, one with --no-hidden; the rest needs no kernel.
@@ -18,7 +20,7 @@ import pytest
 
 from mhc_lab.classroom.cli import main
 from mhc_lab.classroom.grading import format_report, grade_paths
-from mhc_lab.classroom.grading_worker import MARKER, OutputCaps
+from mhc_lab.classroom.grading_worker import OutputCaps
 from mhc_lab.classroom.hidden_checks import HIDDEN_DIR, HiddenChecksError, read_hidden, sources_digest
 from mhc_lab.classroom.notebook_build import LABS_DIR, SOLUTIONS_DIR
 from test_grading import _edit
@@ -31,6 +33,8 @@ HIDDEN_NAMES = {"every dtype, not only the floating ones", "zero, one and more t
 
 FAKE = [{"id": i, "title": "", "status": "passed", "score": 1.0, "checks": [], "message": ""}
         for i in ("0.1", "0.2", "0.3")]
+
+MARKER = "<<mhc-lab-grade>>"  # how a result was once printed by the grader's cell in the learner's kernel
 
 FORGE_AND_KILL = f"""
 import json, os, pathlib, signal
@@ -71,9 +75,65 @@ for folder in [here, *here.parents]:
 for key, value in os.environ.items():
     if "hidden" in value.lower() and os.path.exists(value):
         found.append(f"{{key}}={{value}}")
+    if key in ("PWD", "OLDPWD") and value != str(here):  # the grader's own folders, as the shell names them
+        found.append(f"{{key}}={{value}}")
+    if "pytest-of" in value:  # where this test keeps the hidden checks, the submissions and the report
+        found.append(f"{{key}}={{value}}")
 print("FOUND:", found)
 print({MARKER!r} + json.dumps({{"variant": {{}}, "exercises": {json.dumps(FAKE)}}}))
 os.write(1, ({MARKER!r} + json.dumps({json.dumps(FAKE)}) + "\\n").encode())
+"""
+
+# Each exercise of lab 00 answered by the library: imported under the lab's name, wrapped in a function of the
+# learner's, and found through the check registry.
+LIBRARY = {
+    'check("0.1", bytes_moved_by_copy)':
+        "from mhc_lab.measure.roofline import copy_bytes as bytes_moved_by_copy",
+    'check("0.2", gigabytes_per_second)':
+        "from mhc_lab.measure import timing\n"
+        "def gigabytes_per_second(nbytes, seconds):\n    return timing.gigabytes_per_second(nbytes, seconds)",
+    'check("0.3", matmul_intensity)':
+        "from mhc_lab.course.checks import get_exercise\n"
+        "matmul_intensity = getattr(get_exercise('0.3'), 'solution', None) or get_exercise('0.3').library_function()",
+}
+
+# The checks and the grader replaced inside the learner's kernel, before the stubs are checked: a verdict computed
+# there would be a pass; the grader computes its verdicts in its own process.
+PATCH_THE_GRADER = """
+import mhc_lab.course.checks as checks
+import mhc_lab.classroom.grading_worker as worker
+import mhc_lab.classroom.hidden_checks as hidden_checks
+always = lambda *args, **kwargs: ["passed"]
+checks.run_check = always
+for exercise in checks.all_exercises():
+    exercise.checker = always
+worker.grade_answer = lambda exercise_id, answer, **kw: {"id": exercise_id, "status": "passed", "score": 1.0,
+                                                         "checks": [], "message": ""}
+hidden_checks.generic_checks = lambda *args, **kwargs: []
+check = lambda *args, **kwargs: print("passed")
+"""
+
+# The kernel's side of the grading channel replaced: every request answered with the library's values, the
+# watch for library calls bypassed. The values are right, so the verdicts pass: the submission must be flagged.
+REPLACE_THE_CHANNEL = """
+import base64, io, pickle, torch
+from IPython.display import publish_display_data
+import mhc_lab.classroom.grading_kernel as channel
+from mhc_lab.measure import roofline, timing
+answers = {"bytes_moved_by_copy": roofline.copy_bytes, "gigabytes_per_second": timing.gigabytes_per_second,
+           "matmul_intensity": roofline.matmul_intensity}
+def serve(text):
+    request = pickle.loads(base64.b64decode(text))
+    target = request["target"]
+    if request["kind"] == "describe":
+        value = {channel.HANDLE: 1, "type": "function", "callable": True}
+    else:
+        name = target.name
+        value = answers[name](*request["args"], **request["kwargs"])
+    buffer = io.BytesIO()
+    torch.save({"value": value, "library": [], "arguments": []}, buffer)
+    publish_display_data({channel.RESULT_MIME: base64.b64encode(buffer.getvalue()).decode()})
+channel.serve = serve
 """
 
 ENDLESS = """
@@ -111,6 +171,12 @@ def attacked(tmp_path_factory, private_hidden):
     _with_cell(SOLUTIONS_DIR / LAB, 'print("x" * 100_000_000)', folder / "c_loud_00_setup.ipynb")
     _with_cell(SOLUTIONS_DIR / LAB, ENDLESS, folder / "d_endless_00_setup.ipynb")
     shutil.copy(LABS_DIR / LAB, folder / "e_stub_00_setup.ipynb")
+    nb = nbformat.read(LABS_DIR / LAB, as_version=4)
+    for check_cell, cheat in LIBRARY.items():
+        nb = _edit(nb, check_cell, cheat + "\n" + check_cell)
+    nbformat.write(nb, folder / "g_library_00_setup.ipynb")
+    _with_cell(LABS_DIR / LAB, PATCH_THE_GRADER, folder / "h_patch_00_setup.ipynb")
+    _with_cell(LABS_DIR / LAB, REPLACE_THE_CHANNEL, folder / "i_channel_00_setup.ipynb")
     shutil.copy(SOLUTIONS_DIR / LAB, folder / "f_honest_00_setup.ipynb")
     out = tmp_path_factory.mktemp("graded")
     report = grade_paths([folder], out_dir=out, timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
@@ -128,10 +194,38 @@ def test_honest_solution_scores_full_marks_and_the_stub_zero(attacked):
     honest = attacked["rows"][f"f_honest_{LAB}"]
     assert honest["status"] == "graded" and honest["score"] == honest["max_score"] == 3, format_report(
         {"submissions": [honest]})
+    assert not honest.get("flags") and not honest.get("warnings")
     assert HIDDEN_NAMES <= {c["name"] for e in honest["exercises"] for c in e["checks"]}
     stub = attacked["rows"][f"e_stub_{LAB}"]
     assert stub["status"] == "graded" and stub["score"] == 0
     assert all(e["status"] == "not done" for e in stub["exercises"])
+
+
+@pytest.mark.notebooks
+def test_answers_from_the_library_score_zero(attacked):
+    row = attacked["rows"][f"g_library_{LAB}"]
+    assert row["status"] == "graded" and row["score"] == 0, format_report({"submissions": [row]})
+    assert [e["status"] for e in row["exercises"]] == ["uses the library"] * 3
+    assert "calls `mhc_lab.measure.roofline.copy_bytes`, the library's own answer" in row["exercises"][0]["message"]
+    assert "flagged for review" in " ".join(row.get("warnings", []))  # the registry, reached from the notebook
+
+
+@pytest.mark.notebooks
+def test_patching_the_checks_and_the_grader_in_the_kernel_changes_nothing(attacked):
+    row = attacked["rows"][f"h_patch_{LAB}"]
+    assert row["status"] == "graded" and row["score"] == 0, format_report({"submissions": [row]})
+    assert all(e["status"] == "not done" for e in row["exercises"])
+    assert "flagged for review" in " ".join(row.get("warnings", []))
+
+
+@pytest.mark.notebooks
+def test_replacing_the_kernel_side_of_the_channel_is_flagged(attacked):
+    row = attacked["rows"][f"i_channel_{LAB}"]
+    flags = row.get("flags") or []
+    assert any("reaches into the grader" in f["what"] for f in flags), row
+    assert any("intercepts the kernel's messages" in f["what"] for f in flags), row
+    assert "flagged for review: cell 3" in " ".join(row.get("warnings", [])), row.get("warnings")
+    assert "flagged for review" in format_report(attacked["report"])
 
 
 @pytest.mark.notebooks
@@ -264,3 +358,32 @@ def test_output_caps_per_cell_and_per_notebook():
     assert [o["output_type"] for o in cells[1].outputs] == ["stream"]
     caps.finish(cells[0], 0)  # finishing again changes nothing and adds no second note
     assert len(cells[0].outputs) == 3 and stored[0] == sum(len(o.get("text", "")) for o in cells[0].outputs)
+
+
+# ---- the grading channel's answers, without a kernel -----------------------------------------------------------
+
+
+def test_answers_travel_as_plain_data_or_handles():
+    """What a learner's function returns reaches the grader as plain data (str and number subclasses made plain,
+    so that torch.load(weights_only=True) opens them) or as a handle; nothing of the learner's types travels."""
+    import io
+
+    import numpy as np
+    import torch
+
+    from mhc_lab.classroom import grading_kernel
+
+    class Sneaky(str):
+        def __eq__(self, other):
+            return True
+
+    value = grading_kernel._encode((Sneaky("source"), np.float32(1.5), np.int64(3), [torch.ones(2)],
+                                    {"k": torch.float32}, object()))
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    text, number, count, tensors, mapping, handle = torch.load(buffer, weights_only=True)
+    assert type(text) is str and text == "source" and text != "other"
+    assert (type(number), number, type(count), count) == (float, 1.5, int, 3)
+    assert torch.equal(tensors[0], torch.ones(2)) and mapping == {"k": torch.float32}
+    assert handle[grading_kernel.HANDLE] >= 1 and handle["type"] == "object" and handle["callable"] is False

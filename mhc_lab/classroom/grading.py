@@ -6,36 +6,40 @@
 
 For each submission a worker process executes the notebook with errors allowed (papermill's parameter
 injection, nbclient; a cell that runs past ``cell_timeout`` is interrupted and the rest goes on) from the top to
-its last exercise check cell (the cells after it only measure and reflect; ``whole_notebook`` runs them too),
-then, in that same kernel, runs for every exercise of the lab:
+its last exercise check cell (the cells after it only measure and reflect; ``whole_notebook`` runs them too).
+Then the worker grades in its own process, calling the learner's functions in their kernel across a narrow
+channel (arguments in, plain data out: grading_channel), for every exercise of the lab:
 
 * the **visible check** (the one the learner ran, ``checks.run_check``), and
 * the **hidden checks**: those written for the exercise in ``tests/hidden/labNN.py`` (more shapes, edge cases;
-  never inside a lab notebook), and three generic ones where they apply: the visible check again on fresh random
-  inputs, the learner's function leaves its inputs unchanged, and its gradients match the reference's,
+  never inside a lab notebook, never sent to the learner's kernel), and three generic ones where they apply: the
+  visible check again on fresh random inputs, the learner's function leaves its inputs unchanged, and its
+  gradients match the library's,
 
 against the learner's function found by the name the lab's check cell uses (``check("3.2", sinkhorn_mine)``).
-An exercise scores the fraction of its checks passed (1 point each); a stub scores 0 with its "not done" message.
-A submission whose worker runs past ``timeout`` is reported *timed out*, a dead kernel *crashed*, a worker killed
-by a signal *killed*; those score zero, the others are graded all the same. The result: a score table on stdout,
-``report.json`` (machine-readable) and ``report.csv``.
+Scores (``grading_worker.exercise_score``): an exercise whose visible check fails scores 0; one whose visible
+check passes scores 0.5 plus 0.5 times the fraction of its hidden checks passed (1 with none). An answer that
+calls the exercise's own library function (``mhc_lab.reference.sinkhorn_paper`` for 3.2: watched for in the
+kernel while the learner's function runs) scores 0. A stub scores 0 with its "not done" message. A submission
+whose worker runs past ``timeout`` is reported *timed out*, a dead kernel *crashed*, a worker killed by a signal
+*killed*; those score zero. Code in the learner's own cells that reaches for the grader rather than the exercise
+(code_review) flags the submission for review. The result: a score table on stdout, ``report.json``
+(machine-readable) and ``report.csv``.
 
 What the grader trusts. Every path is made absolute before anything runs. The hidden check files are read once,
-before the first submission runs, and their text is handed to each kernel (only the files for its lab): no path to
-them is given to the worker or the kernel. The job travels to the worker over its stdin, together with a random
-token made for that job; the worker keeps its real stdout as a private, non-inherited descriptor, points the
-descriptors the kernel inherits at /dev/null and sends its progress and its result on that private descriptor,
-each line led by the token. The parent takes a result only from a worker that exited with 0 and only on a line
-that carries the token; a worker that dies, is killed or times out scores zero. The worker and the kernel run
-in an empty temporary folder of their own. The executed notebook is written after every cell and when the
-worker is stopped (so a timed-out or killed submission keeps the notebook as far as it got), its stored outputs
-capped per cell and per notebook.
+before the first submission runs, and their text goes to the worker only. The job travels to the worker over its
+stdin, together with a random token made for that job; the worker keeps its real stdout as a private,
+non-inherited descriptor, points the descriptors the kernel inherits at /dev/null and sends its progress and its
+result on that private descriptor, each line led by the token. The parent takes a result only from a worker
+that exited with 0 and only on a line that carries the token. The worker and the kernel run in an empty temporary
+folder of their own; the worker cannot be read or traced by the kernel (not dumpable). The executed notebook is
+written after every cell and when the worker is stopped, its stored outputs capped per cell and per notebook.
 
-What it does not guard against yet: the checks still run in the learner's kernel, so code in the notebook can
-tamper with them there (patch the grader's functions, or call the reference solutions that the course's check
-registry keeps); copying between learners is not detected. Grading runs the learner's code with your privileges:
-grade untrusted submissions in a container or as an unprivileged user who cannot write the course or the hidden
-checks; the executed notebooks are kept next to the report for review.
+What it does not guard against: copying between learners; code pasted from elsewhere (the library's source
+included); a notebook that replaces its own side of the grading channel to answer with another's values (it
+must name the grader to do so, which code_review flags). Grading runs the learner's code with your privileges:
+grade untrusted submissions in a container or as an unprivileged user who cannot read the hidden checks or write
+the course; the executed notebooks are kept next to the report for review.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from mhc_lab.classroom.code_review import suspicious_cells
 from mhc_lab.classroom.notebook_build import (
     SOLUTIONS_DIR,
     identify_lab,
@@ -133,6 +138,20 @@ def _kill_group(pid: int | None) -> None:
             return
         except (ProcessLookupError, PermissionError, OSError):
             continue
+
+
+# What the worker and the learner's kernel inherit of the grader's environment: what finding Python, the
+# compilers and the GPU needs, nothing that names the grader's folders (PWD, OLDPWD, the shell's own variables).
+ENVIRONMENT_KEPT = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
+                    "VIRTUAL_ENV", "CONDA_PREFIX", "CC", "CXX", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUDA_HOME",
+                    "CUDA_PATH", "LD_LIBRARY_PATH")
+ENVIRONMENT_PREFIXES = ("LC_", "TILELANG_", "TVM_", "NVIDIA_", "XDG_")
+
+
+def worker_environment(workdir: Path) -> dict[str, str]:
+    """The environment a grading worker starts with (see ENVIRONMENT_KEPT); PWD is its empty work folder."""
+    kept = {k: v for k, v in os.environ.items() if k in ENVIRONMENT_KEPT or k.startswith(ENVIRONMENT_PREFIXES)}
+    return {**kept, "PWD": str(workdir)}
 
 
 class HiddenChecks:
@@ -220,6 +239,9 @@ def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: 
         return row
     exercises = lab_exercises(solution)
     row.update(lab=solution.name, max_score=len(exercises))
+    handout_path = solutions_dir.parent / "labs" / solution.name
+    handout = nbformat.read(handout_path, as_version=4) if handout_path.exists() else None
+    flags = suspicious_cells(nb, handout)
     sources = hidden.for_lab(solution.name, [i for i, _ in exercises]) if hidden is not None else None
     executed = out_dir / "executed" / (executed_name or f"{_slug(submission)}")
     if executed.suffix != ".ipynb":
@@ -236,7 +258,7 @@ def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: 
     lock = threading.Lock()
     worker = subprocess.Popen([sys.executable, "-m", "mhc_lab.classroom.grading_worker", "--worker"], cwd=workdir,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              start_new_session=True)
+                              start_new_session=True, env=worker_environment(workdir))
     tail: list[bytes] = []
     readers = [threading.Thread(target=_read_lines, args=(worker.stdout, token, state, lock), daemon=True),
                threading.Thread(target=_read_tail, args=(worker.stderr, tail), daemon=True)]
@@ -289,6 +311,10 @@ def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: 
     else:
         row.update({k: v for k, v in result.items() if k not in ("submission", "lab", "score", "max_score",
                                                                   "executed", "seconds", "warnings")})
+    if flags:
+        row["flags"] = flags
+        row.setdefault("warnings", []).append(
+            "flagged for review: " + "; ".join(f"cell {f['cell']} {f['what']} (`{f['line']}`)" for f in flags))
     if capped or row.get("output_capped"):
         row["output_capped"] = row.get("output_capped") or capped
         cells = ", ".join(str(c.get("cell")) for c in row["output_capped"])
@@ -324,19 +350,145 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _labs_of(submissions: list[Path], solutions_dir: Path) -> dict[str, list[str]]:
-    """{lab: its exercise ids} for the labs the submissions belong to (unreadable ones left to grade_one)."""
+class GradingInputError(ValueError):
+    """An input of ``grade_paths`` that cannot be used: no submissions, a variants manifest, roster or parameter
+    that does not fit, an earlier report that cannot be merged into. Raised before any submission runs."""
+
+
+def _read_submissions(submissions: list[Path], solutions_dir: Path) -> dict[Path, dict]:
+    """For each submission: {"lab": its solution notebook or None, "nb": the notebook or None} (an unreadable
+    one is left to grade_one, which reports it)."""
     import nbformat
 
-    labs = {}
+    found = {}
     for submission in submissions:
         try:
-            solution = identify_lab(nbformat.read(submission, as_version=4), submission, solutions_dir)
+            nb = nbformat.read(submission, as_version=4)
         except Exception:
+            found[submission] = {"lab": None, "nb": None}
             continue
-        if solution is not None and solution.name not in labs:
-            labs[solution.name] = [i for i, _ in lab_exercises(solution)]
-    return labs
+        found[submission] = {"lab": identify_lab(nb, submission, solutions_dir), "nb": nb}
+    return found
+
+
+def _roots(paths: list[Path], submissions: list[Path]) -> dict[Path, Path]:
+    """The folder above which a submission's path says nothing about its author: above the folder the grader was
+    pointed at, or above a named notebook's own folder (the instructor's folders never name a student)."""
+    roots = {}
+    for submission in submissions:
+        for path in paths:
+            if submission == path:
+                roots[submission] = path.parent.parent
+                break
+            if path in submission.parents:
+                roots[submission] = path.parent
+                break
+    return roots
+
+
+def _previous_report(path: Path) -> dict | None:
+    """The class report an earlier run left in the --out folder, to merge this run into (None: there is none)."""
+    if not path.exists():
+        return None
+    expected = ("expected the report.json of an earlier `mhc-lab grade` run, to merge this run into (pass --fresh "
+                "to start a new report there, or choose another --out)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise GradingInputError(f"{path}: {expected}, got {type(error).__name__}: {error}") from None
+    rows = data.get("submissions") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("submission"), str)
+                                             and isinstance(r.get("exercises"), list) for r in rows):
+        raise GradingInputError(f"{path}: {expected}, got JSON without a list of submission rows")
+    return data
+
+
+def _stable_names(submissions: list[Path], earlier: list[dict]) -> dict[Path, str]:
+    """Executed-notebook names: a submission graded before keeps its name, a new one gets a name that no row kept
+    from earlier runs uses (a regrade never overwrites another submission's notebook)."""
+    names = _executed_names(submissions)
+    ours = {str(s) for s in submissions}
+    old = {r["submission"]: Path(r["executed"]).name for r in earlier if r.get("executed")}
+    taken = {Path(r["executed"]).name for r in earlier if r.get("executed") and r["submission"] not in ours}
+    chosen = {}
+    for submission in sorted(submissions, key=lambda s: str(s) not in old):
+        name = old.get(str(submission)) or names[submission]
+        base, number = name[: -len(".ipynb")], 2
+        while name in taken:
+            name, number = f"{base}__{number}.ipynb", number + 1
+        taken.add(name)
+        chosen[submission] = name
+    return chosen
+
+
+SETTINGS_COMPARED = ("checks", "hidden_checks_sha256", "parameters", "variants", "whole_notebook")
+
+
+def _setting(value) -> str:
+    """A setting as a warning shows it (a digest shortened)."""
+    return f"{value[:12]}..." if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) else repr(value)
+
+
+def _merge(previous: dict | None, rows: list[dict], run: dict) -> tuple[list[dict], list[dict], list[str]]:
+    """(rows, runs, warnings) of the class report once this run's rows are in: a row of a submission graded
+    again replaces its old row (matched by path), the others are kept; each run says what it graded when."""
+    if previous is None:
+        return rows, [run], []
+    runs = previous.get("runs") if isinstance(previous.get("runs"), list) else [
+        {"graded_at": previous.get("graded_at"), "submissions": [r["submission"] for r in previous["submissions"]],
+         "settings": previous.get("settings"), "warnings": previous.get("warnings") or []}]
+    new = {r["submission"]: r for r in rows}
+    merged, replaced = [], []
+    for old in previous["submissions"]:
+        if old["submission"] in new:
+            merged.append(new[old["submission"]])
+            replaced.append(old["submission"])
+        else:
+            old.setdefault("graded_at", previous.get("graded_at"))
+            merged.append(old)
+    merged += [r for r in rows if r["submission"] not in set(replaced)]
+    run["replaced"] = replaced
+    warnings = []
+    kept_at = {r.get("graded_at") for r in merged if r["submission"] not in new}
+    for earlier in runs:
+        settings = earlier.get("settings") or {}
+        if earlier.get("graded_at") not in kept_at:
+            continue
+        differ = [key for key in SETTINGS_COMPARED if key in settings and settings[key] != run["settings"][key]]
+        if differ:
+            warnings.append(
+                f"rows kept from the run of {earlier.get('graded_at')} were graded with other settings ("
+                + "; ".join(f"{key}: {_setting(settings[key])} then, {_setting(run['settings'][key])} now"
+                            for key in differ)
+                + "): grade them again with these settings, or start a new report with --fresh")
+    return merged, [*runs, run], warnings
+
+
+def _identity_warnings(rows: list[dict], rosters: dict[str, list[str]]) -> list[str]:
+    """Class-wide: a student with more than one submission of a lab, and the students on the roster with none."""
+    warnings = []
+    by_student: dict[tuple, list[str]] = {}
+    for row in rows:
+        if row.get("student"):
+            by_student.setdefault((row["student"], row.get("lab")), []).append(row["submission"])
+    for (student, lab), paths in sorted(by_student.items(), key=lambda item: (str(item[0][1]), item[0][0])):
+        if len(paths) > 1:
+            warnings.append(f"duplicate: {student} has {len(paths)} submissions of {lab} ({', '.join(paths)}); each "
+                            "is graded and listed: keep one")
+    for lab, students in sorted(rosters.items()):
+        handed_in = {row.get("student") for row in rows if row.get("lab") == lab}
+        missing = [s for s in students if s not in handed_in]
+        if missing:
+            warnings.append(f"no submission of {lab} from {len(missing)} student{'s' if len(missing) > 1 else ''} "
+                            f"on the roster: {', '.join(missing)}")
+    return warnings
+
+
+def _remove_unlisted(folder: Path, pattern: str, listed: set[str]) -> None:
+    """Files of an earlier report (executed notebooks, feedback) that the new report does not list."""
+    for path in folder.glob(pattern) if folder.is_dir() else []:
+        if str(path) not in listed:
+            path.unlink(missing_ok=True)
 
 
 def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/grading"), timeout: float = 900,
@@ -344,42 +496,111 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
                 variants: Path | str | None = None, hidden_dir: Path | str | None = HIDDEN_DIR, jobs: int = 1,
                 solutions_dir: Path = SOLUTIONS_DIR, whole_notebook: bool = False,
                 max_cell_output: int = MAX_CELL_OUTPUT, max_output: int = MAX_OUTPUT,
-                log: Callable[[str], None] | None = print) -> dict:
-    """Grade every submission under ``paths``; write report.json and report.csv in ``out_dir``; return the
-    report. ``hidden_dir=None`` grades with the visible checks only; a folder of hidden checks that is missing,
-    empty, or has no checks for a lab being graded raises HiddenChecksError before anything runs."""
+                roster: Path | str | list[str] | None = None, roster_header: bool | None = None,
+                fresh: bool = False, log: Callable[[str], None] | None = print) -> dict:
+    """Grade every submission under ``paths``; write report.json, report.csv and one feedback file a submission
+    (feedback/NAME.md) in ``out_dir``; return the report.
+
+    ``hidden_dir=None`` grades with the visible checks only; a folder of hidden checks that is missing, empty, or
+    has no checks for a lab being graded raises HiddenChecksError before anything runs, and so do (as
+    GradingInputError) no submissions, an unreadable ``variants`` manifest or ``roster``, a ``parameters`` name
+    that no lab being graded declares, and an ``out_dir`` whose report.json is not a report.
+
+    Who: with a ``roster`` (ids, or a roster file) or a ``variants`` manifest (its students, lab by lab), each row
+    names the student its path names (``student``), and is flagged when its path names no one on the roster or
+    differs from the id its handout recorded; the report warns about a student with two submissions of a lab and
+    lists the students with none.
+
+    Merging: when ``out_dir`` already holds a class report, this run's rows replace the rows of the same
+    submissions (by path) and the others are kept; ``runs`` in the report says what each run graded when, and
+    each row has its ``graded_at``. ``fresh=True`` starts a new report (and drops the executed notebooks and
+    feedback files that it does not list)."""
+    import nbformat
+
+    from mhc_lab.classroom.notebook_build import notebook_parameters
+    from mhc_lab.classroom.report import write_feedback
+    from mhc_lab.classroom.variants import RosterError, identify, read_manifest, read_roster
+
     out_dir = _absolute(out_dir)
     solutions_dir = _absolute(solutions_dir)
     variants = _absolute(variants) if variants else None
+    paths = [_absolute(p) for p in paths]
     submissions = find_submissions(paths)
+    if not submissions:
+        raise GradingInputError(f"submissions {', '.join(map(str, paths))}: expected notebooks (*.ipynb) or folders "
+                                "holding some, found none (checkpoint and hidden folders are skipped)")
+    found = _read_submissions(submissions, solutions_dir)
+    labs = {item["lab"].name: item["lab"] for item in found.values() if item["lab"] is not None}
     hidden = HiddenChecks(hidden_dir) if hidden_dir is not None else None
     if hidden is not None:
-        for lab, ids in _labs_of(submissions, solutions_dir).items():
-            hidden.for_lab(lab, ids)
+        for name, solution in sorted(labs.items()):
+            hidden.for_lab(name, [i for i, _ in lab_exercises(solution)])
     manifest = None
     if variants:
-        from mhc_lab.classroom.variants import read_manifest
+        try:
+            manifest = read_manifest(variants)
+        except ValueError as error:
+            raise GradingInputError(str(error)) from None
+    roster_ids = None
+    if roster is not None and not isinstance(roster, (list, tuple)):
+        notes: list[str] = []
+        try:
+            roster_ids = read_roster(_absolute(roster), header=roster_header, notes=notes)
+        except RosterError as error:
+            raise GradingInputError(str(error)) from None
+        for note in notes if log else []:
+            log(f"note: {note}")
+    elif roster is not None:
+        roster_ids = list(roster)
+    if parameters:
+        declared = {name: set(notebook_parameters(nbformat.read(solution, as_version=4), tags=("parameters",)))
+                    for name, solution in sorted(labs.items())}
+        for name in parameters:
+            if declared and not any(name in names for names in declared.values()):
+                raise GradingInputError(
+                    f"--param {name}: no lab being graded declares {name}; expected one of the parameters their "
+                    "parameters cells declare: " + "; ".join(f"{lab}: {', '.join(sorted(names))}"
+                                                             for lab, names in declared.items()))
+    previous = None if fresh else _previous_report(out_dir / "report.json")
+    names = _stable_names(submissions, previous["submissions"] if previous else [])
+    roots = _roots(paths, submissions)
+    graded_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
-        manifest = read_manifest(variants)
-    names = _executed_names(submissions)
+    def roster_of(lab: str | None) -> list[str] | None:
+        if roster_ids is not None:
+            return roster_ids
+        if manifest is not None and lab in manifest["labs"]:
+            return list(manifest["labs"][lab]["students"])
+        return None
 
     def run(submission: Path) -> dict:
+        item = found[submission]
+        lab = item["lab"].name if item["lab"] is not None else None
         chosen = {**DEFAULT_PARAMETERS, **(parameters or {})}
-        assigned = None
-        if manifest is not None:
-            from mhc_lab.classroom.variants import assigned_variant
-
-            assigned = assigned_variant(manifest, submission)
-            if assigned is not None:
-                chosen.update(assigned["parameters"])
+        students = roster_of(lab)
+        who = identify(submission, students, item["nb"], roots.get(submission)) if students is not None else None
+        warnings = list(who["warnings"]) if who else []
+        if manifest is not None and lab is not None:
+            entry = manifest["labs"].get(lab)
+            if entry is None:
+                warnings.append(f"{lab} is not in the variants manifest: graded with the parameters in the notebook")
+            elif who and who["student"] in entry["students"]:
+                chosen.update(entry["students"][who["student"]]["parameters"])
+            elif who and who["student"]:
+                warnings.append(f"{who['student']} has no variant of {lab} in the variants manifest: graded with the "
+                                "parameters in the notebook")
         row = grade_one(submission, out_dir=out_dir, timeout=timeout, cell_timeout=cell_timeout,
                         check_timeout=check_timeout, parameters=chosen, hidden=hidden,
                         solutions_dir=solutions_dir, whole_notebook=whole_notebook, executed_name=names[submission],
                         max_cell_output=max_cell_output, max_output=max_output)
-        if manifest is not None:
-            row["student"] = assigned["student"] if assigned else None
-            if assigned is None:
-                row.setdefault("warnings", []).append("not in the variants manifest: graded with its own parameters")
+        if manifest is not None or roster_ids is not None:
+            row["student"] = who["student"] if who else None
+            if who and who["made_for"]:
+                row["made_for"] = who["made_for"]
+        if warnings:
+            row["warnings"] = warnings + list(row.get("warnings") or [])
+        row["graded_at"] = graded_at
+        row["feedback"] = str(out_dir / "feedback" / (names[submission][: -len(".ipynb")] + ".md"))
         if log:
             log(f"{row['status']:>11}  {row['score']:g}/{row['max_score']}  {submission}")
         return row
@@ -393,19 +614,31 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
             warnings.append(f"the hidden checks in {hidden.folder} changed on disk while grading ({changed}); every "
                             "submission was graded with the files as read before the first one ran: restore the "
                             "folder from your own copy, and read the executed notebooks of this run")
+    settings = {"timeout_s": timeout, "cell_timeout_s": cell_timeout, "check_timeout_s": check_timeout,
+                "parameters": {**DEFAULT_PARAMETERS, **(parameters or {})},
+                "checks": "visible and hidden" if hidden is not None else "visible only (--no-hidden)",
+                "hidden_checks": str(hidden.folder) if hidden else None,
+                "hidden_checks_sha256": hidden.digest if hidden else None,
+                "variants": str(variants) if variants else None, "whole_notebook": whole_notebook,
+                "max_cell_output_chars": max_cell_output, "max_output_chars": max_output}
+    run_record = {"graded_at": graded_at, "submissions": [r["submission"] for r in rows], "settings": settings,
+                  "warnings": list(warnings)}
+    merged, runs, merge_warnings = _merge(previous, rows, run_record)
+    rosters = {lab: roster_of(lab) for lab in sorted({r["lab"] for r in merged if r.get("lab")})
+               if roster_of(lab) is not None}
     report = {
-        "graded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {"timeout_s": timeout, "cell_timeout_s": cell_timeout, "check_timeout_s": check_timeout,
-                     "parameters": {**DEFAULT_PARAMETERS, **(parameters or {})},
-                     "checks": "visible and hidden" if hidden is not None else "visible only (--no-hidden)",
-                     "hidden_checks": str(hidden.folder) if hidden else None,
-                     "hidden_checks_sha256": hidden.digest if hidden else None,
-                     "variants": str(variants) if variants else None, "whole_notebook": whole_notebook,
-                     "max_cell_output_chars": max_cell_output, "max_output_chars": max_output},
-        "warnings": warnings,
-        "submissions": rows,
+        "graded_at": graded_at,
+        "settings": settings,
+        "warnings": warnings + merge_warnings + _identity_warnings(merged, rosters),
+        "runs": runs,
+        "submissions": merged,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+    private = [p for p in (hidden.folder if hidden else None, hidden_dir, solutions_dir, out_dir, variants) if p]
+    write_feedback(report, private=private)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_csv(report, out_dir / "report.csv")
+    if fresh:
+        _remove_unlisted(out_dir / "executed", "*.ipynb", {r.get("executed") for r in merged if r.get("executed")})
+        _remove_unlisted(out_dir / "feedback", "*.md", {r.get("feedback") for r in merged if r.get("feedback")})
     return report

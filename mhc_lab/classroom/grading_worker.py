@@ -1,11 +1,12 @@
-"""The grading worker: one submission in one kernel, and the checks that run there.
+"""The grading worker: one submission, executed in a kernel of its own, graded from outside that kernel.
 
 ``mhc_lab.classroom.grading`` starts one worker per submission (``python -m mhc_lab.classroom.grading_worker
 --worker``) with the job and a per-job token on its stdin. The worker executes the notebook in an empty folder of
-its own, writes the executed notebook after every cell with its outputs capped (OutputCaps), runs the grader's
-cell in the learner's kernel (grade_in_kernel: the visible check, the hidden checks handed over as text, the
-generic checks), and sends its progress and its result on a private descriptor, each line led by the token.
-grade_answer grades one answer directly (the tests use it).
+its own, writing the executed notebook after every cell with its outputs capped (OutputCaps). Then it grades in
+its own process: the checks (visible, hidden, generic) run here and call the learner's functions across the
+grading channel (grading_channel.KernelSession: arguments in, plain data out), so that nothing the notebook
+did to its own kernel reaches a verdict. It sends its progress and its result on a private descriptor, each
+line led by the token. grade_answer grades one answer, local or remote (the tests use it directly).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mhc_lab.classroom.notebook_build import (
     CHECK_CALL,
     notebook_parameters,
 )
+from mhc_lab.classroom.grading_channel import CheckTimeout, GraderError, KernelDied, KernelSession, is_remote
 from mhc_lab.classroom.hidden_checks import (
     HIDDEN_DIR,
     generic_checks,
@@ -35,20 +37,15 @@ from mhc_lab.classroom.hidden_checks import (
     registry_from_sources,
 )
 
-MARKER = "<<mhc-lab-grade>>"
 GRADING_TAG = "mhc-lab-grading"
 DEFAULT_PARAMETERS = {"SIZE": "small", "DEVICE": "cpu"}  # grading is about answers: small and on the CPU
 MAX_CELL_OUTPUT = 100_000  # characters of output stored per cell of an executed notebook
 MAX_OUTPUT = 2_000_000  # ... and per notebook
-MAX_GRADING_OUTPUT = 20_000_000  # the grader's own cell (its result); a larger one is not a result
+MAX_GRADING_OUTPUT = 20_000_000  # one answer of the grading channel; a larger one is not an answer
 MAX_MESSAGE = 2_000  # characters kept of one check's message
 
 
 # ---- running one check with a time limit --------------------------------------------------------------------
-
-
-class CheckTimeout(BaseException):
-    """A check ran past its time limit (a BaseException, so the learner's ``except Exception`` cannot eat it)."""
 
 
 @contextlib.contextmanager
@@ -74,35 +71,55 @@ def _message(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if not text or not isinstance(error, AssertionError) else text
 
 
-def _attempt(fn: Callable[[], object], seconds: float | None) -> tuple[bool, str]:
+def _attempt(fn: Callable[[], object], seconds: float | None, limit=None) -> tuple[bool, str]:
     try:
-        with _time_limit(seconds):
+        with (limit or _time_limit)(seconds):
             result = fn()
     except CheckTimeout as error:
         return False, str(error)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, KernelDied, GraderError):
         raise
     except BaseException as error:  # the learner's code may raise anything, SystemExit included
         return False, _message(error)
     return True, (f"passed {len(result)} cases" if isinstance(result, (list, tuple)) else "passed")
 
 
-# ---- grading one answer (in the learner's kernel, or directly in tests) -------------------------------------
+# ---- grading one answer ------------------------------------------------------------------------------------
+
+
+def exercise_score(visible_passed: bool, hidden_passed: int, hidden_total: int) -> float:
+    """The score rule: 0 unless the visible check passes; then 0.5 plus 0.5 times the fraction of the hidden
+    checks passed (1 with no hidden checks). A wrong answer earns nothing from side checks, and the size of a
+    step does not depend on how many checks an exercise has."""
+    if not visible_passed:
+        return 0.0
+    return 1.0 if hidden_total == 0 else round(0.5 + 0.5 * hidden_passed / hidden_total, 3)
 
 
 def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None = HIDDEN_DIR,
                  check_timeout: float | None = 60.0, generic: bool = True,
-                 hidden_checks: dict[str, list] | None = None) -> dict:
+                 hidden_checks: dict[str, list] | None = None, session: KernelSession | None = None) -> dict:
     """Visible and hidden checks of one exercise on ``answer``; returns the exercise's result (see module doc).
-    The hidden checks come from ``hidden_checks`` (a registry by exercise id) when given, else from the files in
-    ``hidden_dir`` (``None``: none)."""
-    from mhc_lab.course.checks import ExerciseIncomplete, get_exercise, run_check
+    ``answer`` is a function here, or a Remote of the learner's kernel (``session``: the channel to it). The
+    hidden checks come from ``hidden_checks`` (a registry by exercise id) when given, else from the files in
+    ``hidden_dir`` (``None``: none). An answer that calls the exercise's own library function scores 0."""
+    from mhc_lab.course.checks import ExerciseIncomplete, get_exercise, library_calls, library_use_message, run_check
 
     exercise = get_exercise(exercise_id)
     result = {"id": exercise.id, "title": exercise.title, "checks": []}
+    limit = session.time_limit if session is not None else _time_limit
+    watch = library_calls([exercise.library])
+    if session is not None:
+        session.library, session.library_seen = (exercise.library,), set()
+    elif callable(answer) and not is_remote(answer):
+        answer = watch.wrap(answer)
     learner, learner_calls = recorder(answer) if callable(answer) else (answer, None)
+
+    def used_library() -> set[str]:
+        return set(watch.seen) | (session.library_seen if session is not None else set())
+
     try:
-        with _time_limit(check_timeout):
+        with limit(check_timeout):
             cases = run_check(exercise.id, learner)
         visible = {"name": "visible check", "kind": "visible", "passed": True,
                    "message": f"passed {len(cases)} cases"}
@@ -112,7 +129,7 @@ def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None
         return result
     except CheckTimeout as error:
         visible = {"name": "visible check", "kind": "visible", "passed": False, "message": str(error)}
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, KernelDied, GraderError):
         raise
     except BaseException as error:
         if isinstance(error, NotImplementedError) and str(error).startswith("Exercise"):
@@ -122,7 +139,7 @@ def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None
             return result
         visible = {"name": "visible check", "kind": "visible", "passed": False, "message": _message(error)}
     checks = [visible]
-    if "timed out after" in visible["message"]:  # the hidden checks would only time out again
+    if "timed out" in visible["message"] and not visible["passed"]:  # the hidden checks would only time out again
         result.update(status="timed out", score=0.0, checks=checks, message=f"visible check: {visible['message']}")
         return result
     registry = hidden_checks if hidden_checks is not None else load_hidden(hidden_dir) if hidden_dir else {}
@@ -130,48 +147,21 @@ def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None
     if generic:
         candidates += generic_checks(exercise, answer, learner_calls)
     for check in candidates:
-        passed, message = _attempt(functools.partial(check.run, answer), check_timeout)
+        passed, message = _attempt(functools.partial(check.run, answer), check_timeout, limit)
         checks.append({"name": check.name, "kind": "hidden", "passed": passed, "message": message})
-    passed = sum(c["passed"] for c in checks)
-    timed_out = any("timed out after" in c["message"] for c in checks if not c["passed"])
-    status = "passed" if passed == len(checks) else ("timed out" if timed_out and passed == 0 else
-                                                     "partial" if passed else "failed")
+    if used_library():
+        message = library_use_message(exercise.id, used_library())
+        result.update(status="uses the library", score=0.0, checks=checks, message=message)
+        return result
+    hidden = checks[1:]
+    passed = sum(c["passed"] for c in hidden)
+    score = exercise_score(visible["passed"], passed, len(hidden))
+    timed_out = any("timed out" in c["message"] for c in checks if not c["passed"])
+    status = ("passed" if visible["passed"] and passed == len(hidden) else
+              "timed out" if timed_out and score == 0 else "partial" if score else "failed")
     failures = [f"{c['name']}: {c['message']}" for c in checks if not c["passed"]]
-    result.update(status=status, score=round(passed / len(checks), 3), checks=checks,
-                  message=failures[0] if failures else "")
+    result.update(status=status, score=score, checks=checks, message=failures[0] if failures else "")
     return result
-
-
-def grade_in_kernel(exercises: list[list[str]], hidden_sources: dict[str, str] | None, check_timeout: float | None,
-                    generic: bool = True) -> None:
-    """Run in the learner's kernel after their notebook: grade each (id, function name) with the visible check and
-    the hidden checks given as text (``None``: the visible check only); print JSON."""
-    from IPython import get_ipython
-
-    from mhc_lab.course.checks import get_exercise, variant
-
-    namespace = get_ipython().user_ns
-    registry = registry_from_sources(hidden_sources) if hidden_sources else {}
-    results = []
-    for exercise_id, name in exercises:
-        if name not in namespace:
-            exercise = get_exercise(exercise_id)
-            results.append({"id": exercise_id, "title": exercise.title, "status": "missing", "score": 0.0,
-                            "message": f"no `{name}` defined in the notebook (the lab's check cell uses that name)",
-                            "checks": []})
-            continue
-        try:
-            result = grade_answer(exercise_id, namespace[name], hidden_checks=registry, check_timeout=check_timeout,
-                                  generic=generic)
-        except Exception as error:  # a grader bug must not lose the other exercises
-            result = {"id": exercise_id, "status": "error", "score": 0.0, "checks": [],
-                      "message": f"grader error: {type(error).__name__}: {error}"}
-        result["function"] = name
-        result["message"] = _short(result.get("message", ""))
-        for check in result.get("checks", []):
-            check["message"] = _short(check.get("message", ""))
-        results.append(result)
-    print(MARKER + json.dumps({"variant": _jsonable(variant()), "exercises": results}))
 
 
 def _short(text: str, limit: int = MAX_MESSAGE) -> str:
@@ -363,37 +353,28 @@ def _first_line(source: str) -> str:
     return lines[0].strip()[:80]
 
 
-GRADING_CELL_STORED = "# The grader's cell ran here: the visible and hidden checks (their results are in the report)."
-
-
-def _write_notebook(nb, path: Path, grading_index: int | None, grading_started: bool = True) -> None:
-    """Write ``nb`` atomically, the grader's cell reduced to a note (its code carries the hidden checks), or left
-    out when it has not started."""
-    cells = list(nb.cells)
-    if grading_index is not None and grading_index < len(cells):
-        if grading_started:
-            cells[grading_index] = {**cells[grading_index], "source": GRADING_CELL_STORED, "outputs": []}
-        else:
-            del cells[grading_index]
+def _write_notebook(nb, path: Path, cells: int) -> None:
+    """Write ``nb``'s first ``cells`` cells atomically (the grading channel's slot after them is never stored)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps({**nb, "cells": cells}, ensure_ascii=False) + "\n")
+    partial.write_text(json.dumps({**nb, "cells": nb.cells[:cells]}, ensure_ascii=False) + "\n")
     os.replace(partial, path)
 
 
 def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
-    """Execute one submission and grade it; returns the submission's result (without its path fields).
-    ``send(kind, data)`` tells the parent how far it got."""
+    """Execute one submission, then grade it from this process; returns the submission's result (without its
+    path fields). ``send(kind, data)`` tells the parent how far it got."""
     import nbformat
-    from nbclient.exceptions import DeadKernelError
     from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
     nb = load_notebook_node(job["submission"])  # papermill's reader: every cell gets metadata.tags
     nb.cells = [c for c in nb.cells if GRADING_TAG not in c.metadata.get("tags", [])]
+    handed_out = any("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells)
     # Keep what papermill injected when the notebook was handed out (its variant), then apply the grader's.
     parameters = {**notebook_parameters(nb, tags=("injected-parameters",)), **job["parameters"]}
     nb = parameterize_notebook(nb, parameters, report_mode=False)
+    variant = {k: v for k, v in {**notebook_parameters(nb), **parameters}.items() if k not in DEFAULT_PARAMETERS}
     if not job.get("whole_notebook"):
         # The cells after the last exercise check only measure and reflect (a lab never uses the learner's
         # functions after their check), so grading stops there: much faster, same scores.
@@ -402,21 +383,15 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
                     and any(found in ids for found, _ in CHECK_CALL.findall(c.source))), default=None)
         if last is not None:
             nb.cells = nb.cells[: last + 1]
-    # The hidden checks travel as text inside this cell (no path to them anywhere the kernel can see); the cell
-    # is stored as a note only.
-    code = (f"from mhc_lab.classroom.grading_worker import grade_in_kernel as _mhc_grade\n"
-            f"_mhc_grade({json.dumps(job['exercises'])}, {job['hidden']!r}, {job['check_timeout']!r}, "
-            f"{bool(job['generic'])!r})")
-    nb.cells.append(nbformat.v4.new_code_cell(code, metadata={"tags": [GRADING_TAG]}))
-    grading_index = len(nb.cells) - 1
     # Cells are named by their place in the submission, counted from 1 over all its cells as JupyterLab's status
-    # bar does ("Cell 3/26"); the injected parameters and the grading cell are not counted.
+    # bar does ("Cell 3/26"): a handout's parameters cell counts (the learner sees it), the one the grader
+    # injects into a notebook that had none does not.
     ordinal, number = {}, 0
     for index, cell in enumerate(nb.cells):
-        tags = cell.metadata.get("tags", [])
-        if "injected-parameters" not in tags and GRADING_TAG not in tags:
+        if handed_out or "injected-parameters" not in cell.metadata.get("tags", []):
             number += 1
             ordinal[index] = number
+    grading_index = len(nb.cells)  # the requests of the grading channel: never part of the stored notebook
     executed = Path(job["executed"])
     started: dict[int, float] = {}
     durations: dict[int, float] = {}
@@ -428,10 +403,10 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
     caps = OutputCaps(job["max_cell_output"], job["max_output"], exempt={grading_index}, on_cap=capped)
 
     def snapshot():
-        for index, cell in enumerate(nb.cells):
+        for index, cell in enumerate(nb.cells[:grading_index]):
             if cell.cell_type == "code" and cell.get("outputs"):
                 caps.finish(cell, index)
-        _write_notebook(nb, executed, grading_index, grading_index in started)
+        _write_notebook(nb, executed, grading_index)
 
     def on_stop(signum, frame):
         # Stopped by the parent (time limit): keep the notebook as far as it got, then die of the signal.
@@ -448,13 +423,16 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
         send("progress", {"kernel_pid": pid, "cell": None})
 
     def on_execute(cell, cell_index, **_):
+        if cell_index == grading_index:
+            return
         started[cell_index] = time.monotonic()
-        state.update(cell=ordinal.get(cell_index), source=_first_line(cell.source),
-                     grading=cell_index == grading_index)
+        state.update(cell=ordinal.get(cell_index), source=_first_line(cell.source), grading=False)
         send("progress", state)
         snapshot()  # the notebook as far as it got, should the worker die in this cell
 
     def on_executed(cell, cell_index, **_):
+        if cell_index == grading_index:
+            return
         durations[cell_index] = time.monotonic() - started.get(cell_index, time.monotonic())
         caps.finish(cell, cell_index)
 
@@ -465,15 +443,24 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
     )
     client.caps = caps
     result: dict[str, Any] = {"parameters": parameters}
+    graded: list[dict] | None = None
     try:
-        client.execute()
-    except DeadKernelError:
-        what = ("while grading" if state.get("grading") else
-                f"in cell {state.get('cell')} (`{state.get('source', '')}`)")
-        result.update(status="crashed", detail=f"the kernel died {what}")
-    except Exception as error:
-        result.update(status="crashed", detail=f"{type(error).__name__}: {error}")
-    grading_outputs = list(nb.cells[grading_index].get("outputs", []))
+        client.reset_execution_trackers()
+        with client.setup_kernel():
+            for index, cell in enumerate(nb.cells):
+                client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+            state.update(cell=None, source="", grading=True)
+            send("progress", state)
+            snapshot()
+            nb.cells.append(nbformat.v4.new_code_cell(""))  # the slot the channel's requests run in
+            graded = _grade_in_worker(KernelSession(client, grading_index, caps), {**job, "variant": variant})
+    except (KernelDied, Exception) as error:
+        if type(error).__name__ in ("DeadKernelError", "KernelDied"):
+            what = ("while grading" if state.get("grading") else
+                    f"in cell {state.get('cell')} (`{state.get('source', '')}`)")
+            result.update(status="crashed", detail=f"the kernel died {what}")
+        else:
+            result.update(status="crashed", detail=f"{type(error).__name__}: {error}")
     snapshot()
     errors = []
     for index, cell in enumerate(nb.cells[:grading_index]):
@@ -488,26 +475,54 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
     result["cell_errors"] = errors
     result["output_capped"] = [{"cell": ordinal.get(i), **caps.record(i)} for i in sorted(caps.hit)
                                if i != grading_index]
-    if result.get("status") != "crashed":
-        payload = None
-        for output in grading_outputs:
-            if output.get("output_type") == "stream" and MARKER in output.get("text", ""):
-                payload = output["text"].split(MARKER, 1)[1].strip().splitlines()[0]
-        if payload is None:
-            failure = next((o for o in grading_outputs if o.get("output_type") == "error"), None)
-            detail = f"{failure.get('ename')}: {failure.get('evalue')}" if failure else "no result"
-            result.update(status="crashed", detail=f"grading did not complete: {_short(detail, 300)}")
-        else:
-            data = json.loads(payload)
-            for exercise in data["exercises"]:
-                # A value exercise's stub raises where the value is computed, so the name is never defined.
-                stub = next((e for e in errors if e["ename"] in ("NotImplementedError", "ExerciseIncomplete")
-                             and re.match(rf"Exercise {re.escape(exercise['id'])}\b", e["evalue"])), None)
-                if exercise["status"] == "missing" and stub is not None:
-                    exercise.update(status="not done", message=stub["evalue"].split(" -- ")[0]
-                                    + " -- not done yet: replace the `raise NotImplementedError` line")
-            result.update(status="graded", variant=data["variant"], exercises=data["exercises"])
+    if result.get("status") != "crashed" and graded is not None:
+        for exercise in graded:
+            # A value exercise's stub raises where the value is computed, so the name is never defined.
+            stub = next((e for e in errors if e["ename"] in ("NotImplementedError", "ExerciseIncomplete")
+                         and re.match(rf"Exercise {re.escape(exercise['id'])}\b", e["evalue"])), None)
+            if exercise["status"] == "missing" and stub is not None:
+                exercise.update(status="not done", message=stub["evalue"].split(" -- ")[0]
+                                + " -- not done yet: replace the `raise NotImplementedError` line")
+        result.update(status="graded", variant=_jsonable(variant), exercises=graded)
     return result
+
+
+def _grade_in_worker(session: KernelSession, job: dict) -> list[dict]:
+    """Each exercise of the job graded here, its answer the learner's function called across ``session``."""
+    from mhc_lab.course.checks import get_exercise, set_variant
+
+    set_variant(**job["variant"])  # what the notebook's setup() records, read from its parameters here
+    registry = registry_from_sources(job["hidden"]) if job.get("hidden") else {}
+    results = []
+    for exercise_id, name in job["exercises"]:
+        exercise = get_exercise(exercise_id)
+        answer = missing = None
+        try:
+            with session.time_limit(job["check_timeout"]):
+                answer = session.answer(name)
+        except CheckTimeout:
+            missing = f"reading `{name}` from the notebook timed out"
+        except Exception as error:
+            missing = (f"no `{name}` defined in the notebook (the lab's check cell uses that name)"
+                       if type(error).__name__ == "NameError" else f"`{name}` could not be read: {_message(error)}")
+        if missing is not None:
+            results.append({"id": exercise_id, "title": exercise.title, "status": "missing", "score": 0.0,
+                            "message": missing, "checks": [], "function": name})
+            continue
+        try:
+            result = grade_answer(exercise_id, answer, hidden_checks=registry, check_timeout=job["check_timeout"],
+                                  generic=bool(job["generic"]), session=session)
+        except KernelDied:
+            raise
+        except (Exception, GraderError) as error:  # a grader bug must not lose the other exercises
+            result = {"id": exercise_id, "title": exercise.title, "status": "error", "score": 0.0, "checks": [],
+                      "message": f"grader error: {type(error).__name__}: {error}"}
+        result["function"] = name
+        result["message"] = _short(result.get("message", ""))
+        for check in result.get("checks", []):
+            check["message"] = _short(check.get("message", ""))
+        results.append(result)
+    return results
 
 
 def make_not_dumpable() -> None:

@@ -224,9 +224,10 @@ def _float_leaves(args, kwargs):
     return tuple(prepare(a) for a in args), {k: prepare(v) for k, v in kwargs.items()}, leaves
 
 
-def _gradients(fn, args, kwargs):
+def gradients_of(fn, args, kwargs):
     """Gradients of a fixed random projection of fn's tensor outputs with respect to its float tensor inputs;
-    None when the output does not depend differentiably on any input."""
+    None when the output does not depend differentiably on any input. (Run where ``fn`` lives: for a
+    learner's function being graded, in the learner's kernel.)"""
     import torch
 
     a, k, leaves = _float_leaves(args, kwargs)
@@ -241,6 +242,12 @@ def _gradients(fn, args, kwargs):
                    for o in outputs)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     return [None if g is None else g.detach() for g in grads]
+
+
+def _gradients(fn, args, kwargs):
+    if getattr(type(fn), "_mhc_lab_remote", False):
+        return fn._session.apply("mhc_lab.classroom.hidden_checks.gradients_of", fn, args, kwargs)
+    return gradients_of(fn, args, kwargs)
 
 
 def _compare_gradients(answer, solution, calls, case_names) -> None:
@@ -277,7 +284,7 @@ def generic_checks(exercise, answer, learner_calls: list | None) -> list[HiddenC
     """The generic hidden checks that apply to this exercise (those the reference solution itself passes)."""
     from mhc_lab.course.checks import fresh_inputs
 
-    solution = exercise.solution
+    solution = exercise.library_function()
     if not (callable(answer) and callable(solution)):
         return []
     found = []

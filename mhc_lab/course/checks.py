@@ -4,13 +4,20 @@
     check("3.2", my_sinkhorn)      # prints what passed, or raises CheckFailed with a plain message
     hint("3.2")                    # level 1; hint("3.2", 2) says more
 
-Each exercise registers its checker together with a reference solution and the usual mistakes; the test
-suite proves for every exercise that the solution passes, the stub fails, and each usual mistake is named.
+Each exercise registers its checker, its hints, its usual mistakes, and the name of the library function that
+holds the exercise's equation (``library``, e.g. "mhc_lab.reference.sinkhorn_paper"). The registry carries no
+answer of its own: the checks compute the true values from the library's math or from data, and an answer that
+calls the exercise's own library function fails (``library_calls`` watches for it, here and when grading). The
+test suite proves for every exercise that the library function passes the checker, the stub fails, and each
+usual mistake is named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -39,8 +46,13 @@ class Exercise:
     title: str
     checker: Callable[[Any], Sequence[str]]
     hints: list[str]
-    solution: Any
+    library: str | None  # dotted name of the library function that holds this exercise's equation (None: a
+    # value exercise, whose checker computes its expected value from the variant)
     mistakes: list[Mistake] = field(default_factory=list)
+
+    def library_function(self) -> Callable | None:
+        """The library function named by ``library`` (the grader's reference for its generic checks)."""
+        return resolve(self.library) if self.library else None
 
 
 REGISTRY: dict[str, Exercise] = {}
@@ -56,16 +68,100 @@ TOLERANCE = {
 }
 
 
-def register(id: str, title: str, *, hints: Sequence[str], solution: Any, mistakes: Sequence[Mistake] = ()):
-    """Decorator: register ``checker(answer) -> list of case descriptions`` as the check of exercise ``id``."""
+def register(id: str, title: str, *, hints: Sequence[str], library: str | None,
+             mistakes: Sequence[Mistake] = ()):
+    """Decorator: register ``checker(answer) -> list of case descriptions`` as the check of exercise ``id``;
+    ``library`` names the library function that holds the exercise's equation ("package.module.function"), or
+    is None for a value exercise."""
 
     def decorate(checker):
         if id in REGISTRY:
             raise ValueError(f"exercise {id} is registered twice")
-        REGISTRY[id] = Exercise(id, title, checker, list(hints), solution, list(mistakes))
+        if library is not None and (not isinstance(library, str) or "." not in library):
+            raise ValueError(f"exercise {id}: library: expected a dotted function name, got {library!r}")
+        REGISTRY[id] = Exercise(id, title, checker, list(hints), library, list(mistakes))
         return checker
 
     return decorate
+
+
+def resolve(dotted: str) -> Callable:
+    """The function a dotted name ("package.module.function") names."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---- an answer that calls the exercise's own library function ---------------------------------------------
+
+
+class library_calls:
+    """Watches for calls of the named library functions (their code, however they are reached: imported under
+    another name, wrapped, rebuilt from their code object) made while a learner's function runs, in any thread::
+
+        watch = library_calls(["mhc_lab.reference.sinkhorn_paper"])
+        answer = watch.wrap(answer)     # the checker calls this; the reference's own calls are not watched
+        ...; watch.seen                 # the dotted names the learner's function called
+
+    The checks wrap a learner's function in it: an answer that calls the exercise's own library function does
+    not count."""
+
+    def __init__(self, names: Sequence[str]):
+        self.codes = {}
+        for dotted in filter(None, names):
+            fn = resolve(dotted)
+            code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+            if code is not None:
+                self.codes[code] = dotted
+        self.seen: set[str] = set()
+        self._depth = 0
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            name = self.codes.get(frame.f_code)
+            if name is not None:
+                self.seen.add(name)
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Watch while the block runs (nested blocks watch once)."""
+        if not self.codes or self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        saved = sys.getprofile(), threading.getprofile()
+        sys.setprofile(self._profile)
+        threading.setprofile(self._profile)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            sys.setprofile(saved[0])
+            threading.setprofile(saved[1])
+
+    def wrap(self, fn: Callable) -> Callable:
+        """``fn`` watched while it runs (and whatever it returns that is itself a function, e.g. a compiled
+        program, is not: its work is the learner's, already traced when built)."""
+        if not callable(fn):
+            return fn
+
+        def watched(*args, **kwargs):
+            with self.watching():
+                return fn(*args, **kwargs)
+
+        watched.__name__ = getattr(fn, "__name__", "answer")
+        watched.__doc__ = getattr(fn, "__doc__", None)
+        watched.__wrapped__ = fn
+        return watched
+
+
+def library_use_message(exercise_id: str, names) -> str:
+    listed = ", ".join(f"`{name}`" for name in sorted(names))
+    return (f"Exercise {exercise_id}: your function calls {listed}, the library's own answer to this exercise. "
+            "Write it yourself: the library's version is there to compare with, after your own passes.")
 
 
 def _load(module: str) -> None:
@@ -105,14 +201,23 @@ def _order(id: str):
 
 
 def run_check(id: str, answer: Any) -> list[str]:
-    """Run exercise ``id``'s checker on ``answer`` quietly; returns the passed cases or raises."""
+    """Run exercise ``id``'s checker on ``answer`` quietly; returns the passed cases or raises (CheckFailed when
+    the answer calls the exercise's own library function)."""
     exercise = get_exercise(id)
+    watch = library_calls([exercise.library])
     try:
-        return list(exercise.checker(answer))
+        cases = list(exercise.checker(watch.wrap(answer)))
     except NotImplementedError as error:
         if str(error).startswith("Exercise"):
             raise ExerciseIncomplete(f"{error} -- not done yet: replace the `raise NotImplementedError` line") from None
         raise
+    except CheckFailed as failure:
+        if watch.seen:  # the answer is wrong, and it would not count if it were right
+            raise CheckFailed(f"{failure} Besides: {library_use_message(exercise.id, watch.seen)}") from None
+        raise
+    if watch.seen:
+        raise CheckFailed(library_use_message(exercise.id, watch.seen))
+    return cases
 
 
 def check(id: str, answer: Any) -> None:
@@ -208,6 +313,17 @@ def _recognise(got: torch.Tensor, mistakes: dict[str, torch.Tensor] | None) -> s
         if g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-6):
             return f". This looks like the usual mistake: {explanation}"
     return ""
+
+
+class TanhLayer:
+    """F(h) = tanh(h Wᵀ + b), computed in h's dtype: the layer a check hands to a learner's function. A class
+    rather than a closure, so that the grader can send it to the learner's kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.weight.to(h.dtype).T + self.bias.to(h.dtype))
 
 
 def seeded(seed: int) -> torch.Generator:

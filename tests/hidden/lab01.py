@@ -4,15 +4,16 @@ function the way the visible check does (the learner's signature may be narrower
 
 import torch
 
-from mhc_lab.course.checks import randn
+from mhc_lab.course.checks import TanhLayer, randn
 from mhc_lab.course.depth_probe import residual_stack, residual_tanh_backward, shortcut_gain, unrolled_state
 from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 from mhc_lab.reference.residual import residual_step
 
 
-def _tanh_layer(width: int, seed: int):
+def _tanh_layer(width: int, seed: int) -> TanhLayer:
+    # A library class, not a closure: the grader sends it to the learner's kernel.
     weight = randn(width, width, seed=seed, scale=width**-0.5)
-    return lambda v: torch.tanh(v @ weight.to(v.dtype).T)
+    return TanhLayer(weight, torch.zeros(width, dtype=torch.float64))
 
 
 @hidden("1.1", "one element, batch dimensions, float32, a layer that outputs zeros")

@@ -3,7 +3,7 @@ batch dimensions, per-token coefficients, layer indices past n, float64 initiali
 
 import torch
 
-from mhc_lab.course.checks import CheckFailed, randn
+from mhc_lab.course.checks import CheckFailed, TanhLayer, randn
 from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes, hc_apply, hc_static_init
 from mhc_lab.reference.metrics import amax_gain, composite_product
@@ -27,7 +27,7 @@ def _apply_shapes(answer):
     for n, batch in [(1, (3,)), (8, (2,)), (4, (2, 3))]:
         x = randn(*batch, n, 5, seed=53)
         weight = randn(5, 5, seed=54, scale=0.4)
-        layer = lambda v, w=weight: torch.tanh(v @ w.to(v.dtype))  # noqa: E731
+        layer = TanhLayer(weight.T, torch.zeros(weight.shape[1], dtype=torch.float64))  # tanh(v @ weight)
         alpha_m, alpha_r, beta = randn(n, seed=55), randn(n, n, seed=56), randn(n, seed=57)
         cases.append(same_as_reference(answer, hc_apply, x, layer, alpha_m, alpha_r, beta,
                                        case=f"n={n}, lanes of shape {tuple(x.shape)}"))

@@ -21,7 +21,7 @@ _COPY_CASES = [(1000, torch.float32), (4096 * 4, torch.bfloat16), (7, torch.floa
         "torch.empty((), dtype=dtype).element_size() gives the bytes of one element.",
         "bytes = 2 * numel * element size.",
     ],
-    solution=bytes_moved_by_copy,
+    library="mhc_lab.measure.roofline.copy_bytes",
     mistakes=[
         Mistake(lambda numel, dtype: numel * torch.empty((), dtype=dtype).element_size(), "only the read"),
         Mistake(lambda numel, dtype: 2 * numel * 4, "4 bytes per element"),
@@ -47,7 +47,7 @@ def _check_copy(answer):
 @register(
     "0.2", "GB/s from bytes and seconds",
     hints=["Bandwidth is bytes divided by seconds.", "The course uses GB = 1e9 bytes, as spec sheets do."],
-    solution=gigabytes_per_second,
+    library="mhc_lab.measure.timing.gigabytes_per_second",
     mistakes=[
         Mistake(lambda nbytes, seconds: nbytes / seconds / 2**30, "2**30"),
         Mistake(lambda nbytes, seconds: seconds / nbytes * 1e9, "upside down"),
@@ -79,7 +79,7 @@ def _check_gbs(answer):
         "At best it reads A and B once and writes C once: (m*k + k*n + m*n) elements.",
         "intensity = FLOPs / bytes.",
     ],
-    solution=matmul_intensity,
+    library="mhc_lab.measure.roofline.matmul_intensity",
     mistakes=[
         Mistake(lambda m, n, k, b: m * n * k / ((m * k + k * n + m * n) * b), "multiply-add"),
         Mistake(lambda m, n, k, b: 2 * m * n * k / ((m * k + k * n) * b), "output"),

@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, randn, register
+from mhc_lab.course.checks import CheckFailed, Mistake, TanhLayer, assert_close, call, randn, register
 from mhc_lab.course.depth_probe import (
     gradient_norms,
     residual_stack,
-    residual_tanh_backward,
     seeded_stack,
     shortcut_gain,
     unrolled_state,
@@ -22,7 +21,7 @@ def _tanh_layer(width: int, seed: int, dtype=torch.float64):
     """F(h) = tanh(h Wᵀ + b) with seeded weights, the layer every check uses."""
     weight = randn(width, width, seed=seed, dtype=dtype, scale=1.5 / width**0.5)
     bias = randn(width, seed=seed + 1, dtype=dtype, scale=0.3)
-    return lambda h: torch.tanh(h @ weight.T + bias)
+    return TanhLayer(weight, bias)
 
 
 def _untouched(x: torch.Tensor, before: torch.Tensor, case: str) -> None:
@@ -51,7 +50,7 @@ def _inplace_step(x, layer):
         "A residual step is the input plus the layer's output: the identity path carries x past the layer.",
         "Return x + layer(x) (ResNet-v2 Eq. 3). Do not add in place: the caller still needs x.",
     ],
-    solution=residual_step,
+    library="mhc_lab.reference.residual.residual_step",
     mistakes=[Mistake(_plain_step, "identity path"), Mistake(_inplace_step, "in place")],
 )
 def _check_step(answer):
@@ -113,7 +112,7 @@ def _stack_in_place(x, layers):
         "Each new state is the previous state plus the layer applied to the previous state: h = h + layer(h).",
         "torch.stack(states) turns the list of L + 1 tensors into one tensor [L + 1, *x.shape].",
     ],
-    solution=residual_stack,
+    library="mhc_lab.course.depth_probe.residual_stack",
     mistakes=[
         Mistake(_plain_stack, "identity path"),
         Mistake(_stack_without_input, "x_0 itself"),
@@ -170,7 +169,7 @@ def _without_x_l(x_l, branch_outputs, shortcut_scale=1.0):
         "F_i(x_i) is added after layer i, so it passes through the shortcuts of layers i+1..L-1 only: "
         "branch_outputs[j] is multiplied by λ^(k-1-j). The last one is not scaled at all.",
     ],
-    solution=unrolled_state,
+    library="mhc_lab.course.depth_probe.unrolled_state",
     mistakes=[
         Mistake(_unscaled_branches, "scaled too"),
         Mistake(_one_power_too_many, "one power of λ too many"),
@@ -235,7 +234,7 @@ def _autograd_backward(x, weight, bias, grad_out):
         "then carry it back through the linear map.",
         "x has shape [B, C] and z = x Wᵀ + b, so ∂E/∂x through the linear map is (∂E/∂z) @ W, not @ Wᵀ.",
     ],
-    solution=residual_tanh_backward,
+    library="mhc_lab.course.depth_probe.residual_tanh_backward",
     mistakes=[
         Mistake(_branch_only_backward, "identity"),
         Mistake(_no_tanh_derivative_backward, "tanh"),
@@ -287,7 +286,7 @@ def _forward_norms(model, x, y):
         "torch.autograd.grad(loss, keep).",
         "Return torch.stack([g.norm() for g in the gradients]): one number per layer, layer 1 first.",
     ],
-    solution=gradient_norms,
+    library="mhc_lab.course.depth_probe.gradient_norms",
     mistakes=[Mistake(_weight_gradient_norms, "weight"), Mistake(_forward_norms, "forward")],
 )
 def _check_gradient_norms(answer):
@@ -337,7 +336,7 @@ def _last_gain_only(scales):
         "After one layer the shortcut has multiplied the signal by λ_1; after two by λ_2 λ_1; and so on.",
         "Return all L running products, the first being λ_1 itself: torch.cumprod does exactly this.",
     ],
-    solution=shortcut_gain,
+    library="mhc_lab.course.depth_probe.shortcut_gain",
     mistakes=[
         Mistake(_added_gain, "multiply"),
         Mistake(_shifted_gain, "shifted"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, randn, register
+from mhc_lab.course.checks import CheckFailed, Mistake, TanhLayer, assert_close, call, randn, register
 from mhc_lab.reference import (
     amax_gain,
     collapse_lanes,
@@ -23,7 +23,7 @@ def _layer(C: int, seed: int):
     """A fixed nonlinear layer F: [..., C] -> [..., C] in float64 (tanh of a random affine map)."""
     w = randn(C, C, seed=seed, scale=C**-0.5)
     b = randn(C, seed=seed + 1, scale=0.1)
-    return lambda h: torch.tanh(h @ w.to(h.dtype).T + b.to(h.dtype))
+    return TanhLayer(w, b)
 
 
 def _tuple_of(got, count: int, case: str, names: str):
@@ -66,7 +66,7 @@ _EXPAND_MISTAKES = {
         "Add a lane dim just before C with h.unsqueeze(-2), then repeat it n times along that dim.",
         "h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]) (add .contiguous() for a real copy).",
     ],
-    solution=expand_lanes,
+    library="mhc_lab.reference.hyper_connections.expand_lanes",
     mistakes=[
         Mistake(_expand_in_c, "[..., n*C]"),
         Mistake(_expand_lanes_first, "lanes first"),
@@ -104,7 +104,7 @@ _COLLAPSE_MISTAKES = {
         "HC sums the lanes (it does not average them).",
         "x.sum(dim=-2).",
     ],
-    solution=collapse_lanes,
+    library="mhc_lab.reference.hyper_connections.collapse_lanes",
     mistakes=[
         Mistake(lambda x: x.mean(dim=-2), "averaged"),
         Mistake(lambda x: x.sum(dim=-1), "summed over C"),
@@ -165,7 +165,7 @@ _HC_MISTAKES = {
         "torch.einsum keeps the indices honest: '...i,...ic->...c' for h0 and '...ij,...ic->...jc' for the remix.",
         "Broadcast beta over C with beta.unsqueeze(-1), and y over the lanes with y.unsqueeze(-2).",
     ],
-    solution=hc_apply,
+    library="mhc_lab.reference.hyper_connections.hc_apply",
     mistakes=[
         Mistake(_hc_no_transpose, "instead of its transpose"),
         Mistake(_hc_no_beta, "without the weights beta"),
@@ -218,7 +218,7 @@ def _init_zero_remix(n, layer_index=0, dtype=torch.float32):
         "alpha_m is zeros except a 1 at index layer_index % n; alpha_r is torch.eye(n); beta is torch.ones(n).",
         "Create all three with dtype=dtype and return them as a tuple (alpha_m, alpha_r, beta).",
     ],
-    solution=hc_static_init,
+    library="mhc_lab.reference.hyper_connections.hc_static_init",
     mistakes=[
         Mistake(_init_all_lanes, "reads every lane"),
         Mistake(_init_uniform, "average of the lanes"),
@@ -304,7 +304,7 @@ _DYN_MISTAKES = {
         "Each coefficient is scale * tanh(projection) + its static part: s_alpha for alpha_m and alpha_r, "
         "s_beta for beta.",
     ],
-    solution=hc_dynamic_coefficients,
+    library="mhc_lab.reference.hyper_connections.hc_dynamic_coefficients",
     mistakes=[
         Mistake(_dyn_no_tanh, "tanh"),
         Mistake(_dyn_no_norm, "did not normalise"),
@@ -380,7 +380,7 @@ _GAIN_MISTAKES = {
         "A row sum is a.sum(dim=-1), a column sum a.sum(dim=-2); each has shape [..., n].",
         "forward = a.sum(dim=-1).amax(dim=-1), backward = a.sum(dim=-2).amax(dim=-1); return them as a tuple.",
     ],
-    solution=amax_gain,
+    library="mhc_lab.reference.metrics.amax_gain",
     mistakes=[
         Mistake(_gain_swapped, "swapped"),
         Mistake(_gain_signed, "signed"),
@@ -439,7 +439,7 @@ _PRODUCT_MISTAKES = {
         "The newest layer multiplies from the LEFT: x after k layers is H_k ... H_2 H_1 x.",
         "Collect every P_k in a list and return torch.stack(list): shape [L, ..., n, n].",
     ],
-    solution=composite_product,
+    library="mhc_lab.reference.metrics.composite_product",
     mistakes=[
         Mistake(_product_wrong_order, "wrong order"),
         Mistake(_product_last_only, "only the final product"),

@@ -96,7 +96,7 @@ def _gap_inputs():
         "Take |sum - 1| and its max over the n sums.",
         "negative = (-h.amin(dim=(-2, -1))).clamp(min=0); stack the three with torch.stack(..., dim=-1).",
     ],
-    solution=doubly_stochastic_gaps,
+    library="mhc_lab.course.birkhoff.doubly_stochastic_gaps",
     mistakes=[
         Mistake(_gaps_rows_columns_swapped, "rows and columns swapped"),
         Mistake(_gaps_signed, "absolute value"),
@@ -170,7 +170,7 @@ def _check_sinkhorn(answer, reference, mistakes_for, extra=None, small=()):
         "Subtract logits.amax(dim=(-2, -1), keepdim=True) before exp: it cancels in the normalisation and "
         "keeps exp from overflowing.",
     ],
-    solution=sinkhorn_paper,
+    library="mhc_lab.reference.sinkhorn.sinkhorn_paper",
     mistakes=[Mistake(_rows_first, "normalising rows first"), Mistake(_rows_only, "only the rows")],
 )
 def _check_sinkhorn_paper(answer):
@@ -209,7 +209,7 @@ def _v4_one_pass_too_many(logits, iterations=20, eps=1e-6):
         "comb ends on a column step, so its columns are exact; mHC applies comb^T (the new lane i is "
         "sum_j comb[j, i] x_j), whose rows are then the exact ones. Return comb.transpose(-1, -2).",
     ],
-    solution=sinkhorn_deepseek_v4,
+    library="mhc_lab.reference.sinkhorn.sinkhorn_deepseek_v4",
     mistakes=[
         Mistake(_v4_without_transpose, "forgetting the transpose"),
         Mistake(_v4_without_eps, "eps"),
@@ -272,7 +272,7 @@ def _check_extreme(answer):
         "g = -logsumexp(logits + f, dim=-2, keepdim=True). The row step then sets f the same way over dim=-1.",
         "Repeat (g then f) `iterations` times and return torch.exp(logits + f + g).",
     ],
-    solution=sinkhorn_log_domain,
+    library="mhc_lab.reference.sinkhorn.sinkhorn_log_domain",
     mistakes=[
         Mistake(_log_rows_first, "normalising rows first"),
         Mistake(_log_without_exp, "log H"),
@@ -380,7 +380,7 @@ def _nearest(got: torch.Tensor, expected: torch.Tensor, candidates: dict[str, to
         "H_res = sinkhorn(res_logits, variant='deepseek_v4', iterations=iterations, eps=eps) from "
         "mhc_lab.reference (it returns comb^T already). Return (pre, post, res).",
     ],
-    solution=mhc_coefficients,
+    library="mhc_lab.reference.mhc.mhc_coefficients",
     mistakes=[
         Mistake(lambda x, p, b, a, iterations=20, eps=1e-6: _coefficients(x, p, b, a, iterations, eps,
                                                                             per_lane_norm=True), "norm over C"),
@@ -463,7 +463,7 @@ def _post_without_mixing(x, layer_out, post, res):
         "torch.einsum('...ij,...jc->...ic', res, x) mixes the lanes; post.unsqueeze(-1) * "
         "layer_out.unsqueeze(-2) is H_post^T F, an [..., n, C] outer product.",
     ],
-    solution=mhc_post,
+    library="mhc_lab.reference.mhc.mhc_post",
     mistakes=[
         Mistake(_post_transposed, "transpose"),
         Mistake(_post_without_post, "H_post"),

@@ -145,7 +145,7 @@ def _hc_usual(n: int, C: int) -> dict[str, float]:
         "The lanes x are nC elements; F's input and output are C; H_pre and H_post are n numbers, H_res n^2.",
         "Reads: nC + (nC + n) + (C + n) + (nC + n^2) + 2nC. Writes: (n^2 + 2n) + C + nC + nC + nC. Add both.",
     ],
-    solution=bytes_model.hc_forward_elements,
+    library="mhc_lab.measure.bytes_model.hc_forward_elements",
     mistakes=[
         Mistake(lambda n, C: (5 * n + 1) * C + n * n + 2 * n, "only the reads"),
         Mistake(lambda n, C: (8 * n + 2) * C, "left out the coefficients"),
@@ -192,7 +192,7 @@ def _minimal_usual(n: int, C: int) -> dict[str, float]:
         "one after F (reads x, F's output and those coefficients, writes the new lanes).",
         "The pre kernel reads nC and writes C + n + n^2; the post kernel reads nC + C + n + n^2 and writes nC.",
     ],
-    solution=bytes_model.minimal_site_forward_elements,
+    library="mhc_lab.measure.bytes_model.minimal_site_forward_elements",
     mistakes=[
         Mistake(lambda n, C: (2 * n + 2) * C + 2 * (n * n + n), "x again"),
         Mistake(lambda n, C: bytes_model.elements_per_token("mhc_fused", n, C), "five-kernel plan"),
@@ -241,7 +241,7 @@ def _seconds_usual(tokens: int, n: int, C: int, bw: float) -> dict[str, float]:
         "(float32, 4 bytes).",
         "seconds = tokens * (2 * (8n + 2) * C + 4 * (2n^2 + 4n)) / (bandwidth_gbs * 1e9)",
     ],
-    solution=bytes_model.memory_bound_seconds,
+    library="mhc_lab.measure.bytes_model.memory_bound_seconds",
     mistakes=[
         Mistake(lambda t, n, C, bw: t * bytes_model.hc_forward_elements(n, C) / (bw * 1e9), "elements, not bytes"),
         Mistake(lambda t, n, C, bw: t * 4 * bytes_model.hc_forward_elements(n, C) / (bw * 1e9), "4 bytes"),
@@ -287,7 +287,7 @@ def _intensity_usual(n: int, C: int, s: int, c: int) -> dict[str, float]:
         "Bytes: read x (nC elements) and H_res (n^2), write the new lanes (nC).",
         "intensity = 2 n^2 C / (2 n C * stream_bytes + n^2 * coefficient_bytes)",
     ],
-    solution=bytes_model.res_apply_intensity,
+    library="mhc_lab.measure.bytes_model.res_apply_intensity",
     mistakes=[
         Mistake(lambda n, C, s, c: n * n * C / (2 * n * C * s + n * n * c), "multiply-adds"),
         Mistake(lambda n, C, s, c: 2 * n * n * C / (n * C * s + n * n * c), "writing the result"),
@@ -330,7 +330,7 @@ def _sinkhorn_usual(t: int) -> dict[str, float]:
         "comb.sum(...) is one launch, + eps another, the division a third.",
         "2 (input check) + 1 (softmax) + 1 (+ eps) + 3 (first column normalisation) + 6 (t - 1).",
     ],
-    solution=profiling.sinkhorn_launches,
+    library="mhc_lab.measure.profiling.sinkhorn_launches",
     mistakes=[
         Mistake(lambda t: 6 * t - 1, "input check"),
         Mistake(lambda t: 2 * t, "one kernel per normalisation"),

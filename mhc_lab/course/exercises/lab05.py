@@ -14,8 +14,7 @@ import torch
 from mhc_lab.bench.tilelang import fraction_of_copy_roof
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, expect_number, randn, register
 from mhc_lab.course.tile_checks import compile_learner_program
-from mhc_lab.kernels.elementwise import residual_add_program
-from mhc_lab.kernels.rmsnorm import rmsnorm_bytes, rmsnorm_program, rmsnorm_reference, row_sum_of_squares_program
+from mhc_lab.kernels.rmsnorm import rmsnorm_bytes, rmsnorm_reference
 from mhc_lab.kernels.source import lines_matching
 
 # (C, block_rows, row counts) compiled once per C and block_rows; the first configuration reveals every mistake.
@@ -131,7 +130,7 @@ def _add_one_row_per_tile(C: int, block_rows: int):
         "for i in T.serial(block_rows): r = b * block_rows + i; if r < N: for c in T.serial(C): "
         "out[r, c] = x[r, c] + f[r, c]",
     ],
-    solution=residual_add_program,
+    library="mhc_lab.kernels.elementwise.residual_add_program",
     mistakes=[
         Mistake(_add_no_offset, "b * block_rows + i"),
         Mistake(_add_floor_grid, "T.ceildiv(N, block_rows)"),
@@ -247,7 +246,7 @@ def _sumsq_python_variable(augmented: bool):
         "for i in T.serial(block_rows): r = b * block_rows + i; if r < N: total[0] = 0.0; "
         "for c in T.serial(C): total[0] += x[r, c] * x[r, c]; then out[r] = total[0]",
     ],
-    solution=row_sum_of_squares_program,
+    library="mhc_lab.kernels.rmsnorm.row_sum_of_squares_program",
     mistakes=[
         Mistake(_sumsq_no_reset, "not reset"),
         Mistake(_sumsq_mean, "divided by C"),
@@ -333,7 +332,7 @@ _RMS_CONFIGS = [(33, 4, 0.5, (7, 1, 9)), (1, 3, 1e-6, (5,)), (64, 2, 1e-6, (3,))
         "total[0] = 0.0; for c in T.serial(C): row[c] = x[r, c]; total[0] += row[c] * row[c]; then "
         "scale = T.rsqrt(total[0] / C + eps); for c in T.serial(C): y[r, c] = row[c] * scale * w[c]",
     ],
-    solution=rmsnorm_program,
+    library="mhc_lab.kernels.rmsnorm.rmsnorm_program",
     mistakes=[
         Mistake(_rms_variant("no_eps"), "forgetting eps"),
         Mistake(_rms_variant("sum"), "sum of squares, not their mean"),
@@ -418,7 +417,7 @@ def _get_number(got, key: str, case: str):
         "after the upcast is float32 (4 bytes), until the downcast back to bf16.",
         "eager = 36 N C + 24 N + 2 C bytes in bf16; fused = 4 N C + 2 C.",
     ],
-    solution=rmsnorm_bytes,
+    library="mhc_lab.kernels.rmsnorm.rmsnorm_bytes",
     mistakes=[
         Mistake(_bytes_fused_f32, "4 bytes"),
         Mistake(_bytes_no_w, "weight w"),
@@ -469,7 +468,7 @@ def _check_bytes(answer):
         "a copy.",
         "nbytes / seconds / 1e9 / copy_gbs",
     ],
-    solution=fraction_of_copy_roof,
+    library="mhc_lab.bench.tilelang.fraction_of_copy_roof",
     mistakes=[
         Mistake(lambda nbytes, seconds, copy_gbs: nbytes / seconds / 2**30 / copy_gbs, "2**30"),
         Mistake(lambda nbytes, seconds, copy_gbs: 100 * nbytes / seconds / 1e9 / copy_gbs, "percent"),

@@ -15,11 +15,8 @@ from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, expe
 from mhc_lab.course.tile_checks import compile_learner_program
 from mhc_lab.course.forward_lab import (
     PLANS,
-    layer_input_program,
-    logits_norm_after,
     logits_norm_first,
     phi_bytes_per_token,
-    post_program,
     site_lane_bytes,
 )
 from mhc_lab.reference import mhc_post, mhc_pre
@@ -136,7 +133,7 @@ def _post_variant(kind: str):
         "(for j: lanes[j] = x[t, j, c]); for i in T.serial(n): acc[0] = post[t, i] * f[t, c]; "
         "for j in T.serial(n): acc[0] += res[t, i, j] * lanes[j]; out[t, i, c] = acc[0]",
     ],
-    solution=post_program,
+    library="mhc_lab.course.forward_lab.post_program",
     mistakes=[
         Mistake(_post_variant("transposed"), "H_res transposed"),
         Mistake(_post_variant("post_in_sum"), "H_post without its lane index"),
@@ -214,7 +211,7 @@ def _input_variant(kind: str):
         "for k in T.serial(block_tokens): t = b * block_tokens + k; if t < tokens: for c in T.serial(C): "
         "acc[0] = 0.0; for j in T.serial(n): acc[0] += pre[t, j] * x[t, j, c]; y[t, c] = acc[0]",
     ],
-    solution=layer_input_program,
+    library="mhc_lab.course.forward_lab.layer_input_program",
     mistakes=[
         Mistake(_input_variant("unweighted"), "without the weights H_pre"),
         Mistake(_input_variant("instance"), "instance index b"),
@@ -301,7 +298,7 @@ _LOGIT_CASES = [((7,), 4, 33), ((1,), 1, 5), ((33,), 2, 37), ((7,), 8, 9), ((2, 
         "keepdim=True) + rms_eps); gates = torch.cat([alpha[0].expand(n), alpha[1].expand(n), "
         "alpha[2].expand(n * n)]); return gates * mixes / r + bias",
     ],
-    solution=logits_norm_after,
+    library="mhc_lab.course.forward_lab.logits_norm_after",
     mistakes=[
         Mistake(_logits_kind("times_rms"), "multiplied by the RMS"),
         Mistake(_logits_kind("bias_scaled"), "bias b was scaled"),
@@ -352,7 +349,7 @@ def _bytes_elements(n, C, plan, itemsize=2):
         "than one_pass. unfused: lab 04's Table 2 rows, (8n + 2) C elements.",
         "one_pass: (3n + 2) C itemsize; split: (4n + 2) C itemsize; unfused: (8n + 2) C itemsize.",
     ],
-    solution=site_lane_bytes,
+    library="mhc_lab.course.forward_lab.site_lane_bytes",
     mistakes=[
         Mistake(_bytes_split_once, "reads x twice"),
         Mistake(_bytes_one_short, "one C short"),
@@ -395,7 +392,7 @@ def _check_plan_bytes(answer):
         "tile_tokens.",
         "4 * (n * n + 2 * n) * n * C / tile_tokens",
     ],
-    solution=phi_bytes_per_token,
+    library="mhc_lab.course.forward_lab.phi_bytes_per_token",
     mistakes=[
         Mistake(lambda n, C, tile_tokens: 4 * (n * n + 2 * n) * n * C, "once per tile"),
         Mistake(lambda n, C, tile_tokens: 4 * n * n * n * C / tile_tokens, "n^2 + 2n rows"),

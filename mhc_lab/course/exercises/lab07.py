@@ -81,7 +81,7 @@ def _post_wrong(kind: str):
         "dx = einsum('...ij,...ic->...jc', res, g); df = einsum('...i,...ic->...c', post, g); "
         "dpost = einsum('...ic,...c->...i', g, f); dres = einsum('...ic,...jc->...ij', g, x)",
     ],
-    solution=post_backward,
+    library="mhc_lab.reference.backward.post_backward",
     mistakes=[
         Mistake(_post_wrong("no_transpose"), "forgetting the transpose of H_res in dx"),
         Mistake(_post_wrong("dres_transposed"), "dH_res transposed"),
@@ -153,7 +153,7 @@ def _step_wrong(kind: str):
         "s = p.sum(dim=dim, keepdim=True) + eps; q = p / s; return (grad_q - (grad_q * q).sum(dim=dim, "
         "keepdim=True)) / s",
     ],
-    solution=normalize_step_backward,
+    library="mhc_lab.course.training_lab.normalize_step_backward",
     mistakes=[
         Mistake(_step_wrong("p_not_q"), "Q after the step"),
         Mistake(_step_wrong("no_eps"), "forgetting the eps"),
@@ -225,7 +225,7 @@ def _sinkhorn_wrong(kind: str):
         "d = grad_res.transpose(-1, -2); for dim, p in reversed(steps): d = normalize_step_backward(p, d, dim, eps); "
         "return softmax * (d - (d * softmax).sum(-1, keepdim=True))",
     ],
-    solution=sinkhorn_backward,
+    library="mhc_lab.reference.backward.sinkhorn_backward",
     mistakes=[
         Mistake(_sinkhorn_wrong("no_transpose"), "grad_res transposed"),
         Mistake(_sinkhorn_wrong("no_softmax"), "softmax backward"),
@@ -319,7 +319,7 @@ def _call_norm(answer, x, grad_r, eps, want, case):
         "k = n * C; s = x.pow(2).sum(dim=(-2, -1), keepdim=True); r = torch.rsqrt(s / k + rms_eps); "
         "ds = -0.5 * r.pow(3) / k * grad_r.unsqueeze(-1); return 2 * ds * x",
     ],
-    solution=norm_scale_backward,
+    library="mhc_lab.course.training_lab.norm_scale_backward",
     mistakes=[
         Mistake(_norm_wrong("sign"), "the sign of ds"),
         Mistake(_norm_wrong("no_two"), "the factor 2"),
@@ -410,7 +410,7 @@ def _recompute_mistake(values: list) -> str:
         "up (30 layers in blocks of 7 are 5 blocks, not 30 / 7 = 4.29 and not 30 // 7 = 4).",
         "return n * math.ceil(layers / block) + (n + 2) * block",
     ],
-    solution=recompute_memory,
+    library="mhc_lab.reference.recompute.recompute_memory",
     mistakes=[
         Mistake(_RECOMPUTE_MISTAKES["floor"][0], "floor instead of ceil"),
         Mistake(_RECOMPUTE_MISTAKES["no_ceil"][0], "the ceil is missing"),

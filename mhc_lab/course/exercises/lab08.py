@@ -101,7 +101,7 @@ def _two_numbers(got, case: str):
         "moved = (read_C + written_C) * C * itemsize * tokens; extra_ms = moved / (copy_gbps * 1e9) * 1e3; "
         "return extra_ms, 100 * extra_ms / block_ms",
     ],
-    solution=copy_floor_overhead,
+    library="mhc_lab.course.step_time.copy_floor_overhead",
     mistakes=[
         Mistake(_floor_wrong("elements"), "elements counted as bytes"),
         Mistake(_floor_wrong("reads_only"), "only the reads were counted"),
@@ -181,7 +181,7 @@ def _share_inputs(shape: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         "negative: torch.clamp(x, min=0) sets every negative entry to 0.",
         "return torch.clamp(launched_ms - graph_ms, min=0) / launched_ms",
     ],
-    solution=host_share,
+    library="mhc_lab.course.step_time.host_share",
     mistakes=[
         Mistake(_share_wrong("over_graph"), "divided by the graph's time"),
         Mistake(_share_wrong("percent"), "a percentage"),
@@ -270,7 +270,7 @@ def _compare_flags(got, alone, block, threshold, case: str) -> None:
         "instruction-bound when the slowdown is more than the threshold: a comparison gives a boolean tensor.",
         "return block_ms / alone_ms - 1 > threshold",
     ],
-    solution=instruction_bound,
+    library="mhc_lab.course.step_time.instruction_bound",
     mistakes=[
         Mistake(_bound_wrong("inverted"), "the ratio upside down"),
         Mistake(_bound_wrong("difference"), "a difference in milliseconds"),
