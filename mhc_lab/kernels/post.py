@@ -117,8 +117,13 @@ def post_kernel_program(n: int, C: int, dtype: str = "bfloat16", target: str = "
 
 @functools.lru_cache(maxsize=None)
 def post_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda"):
-    """The compiled post kernel (cached per process): call it as ``kernel(x, f, post, res, out)``."""
-    return compile_program(post_kernel_program(n, C, dtype, target), target)
+    """The compiled post kernel (cached per process): call it as ``kernel(x, f, post, res, out)``. Every call
+    checks the tensors against n, C, dtype and target, and that they hold the same number of tokens
+    (kernels.checked.CheckedKernel)."""
+    from mhc_lab.kernels.checked import CheckedKernel
+
+    return CheckedKernel(compile_program(post_kernel_program(n, C, dtype, target), target),
+                         f"post_kernel({n}, {C}, {dtype!r}, {target!r})")
 
 
 def post_bytes(n: int, C: int, itemsize: int = 2) -> dict:

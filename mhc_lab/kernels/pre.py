@@ -131,9 +131,13 @@ def projection_kernel_c(n: int, C: int):
 
 @functools.lru_cache(maxsize=None)
 def pre_kernel_c(n: int, C: int, dtype: str = "float32"):
-    """The compiled C-target pre kernel (cached per process):
-    ``kernel(x, phi, bias, alpha, y, pre, post, res)``."""
-    return compile_program(pre_program(n, C, dtype, "c"), "c")
+    """The compiled C-target pre kernel (cached per process): ``kernel(x, phi, bias, alpha, y, pre, post, res)``.
+    Every call checks the tensors against n, C and dtype, and that they hold the same number of tokens
+    (kernels.checked.CheckedKernel)."""
+    from mhc_lab.kernels.checked import CheckedKernel
+
+    return CheckedKernel(compile_program(pre_program(n, C, dtype, "c"), "c"), f"pre_kernel_c({n}, {C}, {dtype!r})",
+                         ("x", "phi", "bias", "alpha", "y", "pre", "post", "res"))
 
 
 def pre_bytes(n: int, C: int, itemsize: int = 2) -> dict:

@@ -172,8 +172,9 @@ def trace_ops(fn: Callable, *args, **kwargs) -> OpTrace:
 
 def sinkhorn_launches(iterations: int) -> int:
     """Operations that ``mhc_lab.reference.sinkhorn_deepseek_v4`` launches for t iterations: the input check
-    (isnan, any: 2), softmax (1), + eps (1), one column normalisation (sum, + eps, divide: 3), then t - 1 times
-    a row and a column normalisation (6 each): 6t + 1. (The check's ``if`` reads one value back: a sync.)"""
+    (``(logits - logits).any()``, NaN wherever a logit is NaN or infinite: sub, any: 2), softmax (1), + eps (1),
+    one column normalisation (sum, + eps, divide: 3), then t - 1 times a row and a column normalisation (6 each):
+    6t + 1. (The check's ``if`` reads one value back: a sync.)"""
     return 6 * iterations + 1
 
 

@@ -7,6 +7,15 @@
 - site_ops.py: the site's forward and backward as torch.library custom ops (torch.ops.mhc_lab.*), with autograd;
   importing mhc_lab.ops registers them.
 - modules.py: the differentiable functions and the modules that train with them.
+
+Values are never checked here, on any backend: the ops check shapes, dtypes and devices, but a NaN or inf check
+reads a value back to the host, a sync on every call that also stops CUDA graphs and torch.compile. NaN or inf in
+the inputs comes out as NaN or inf in the outputs, the same way on both backends (the reference backend runs
+mhc_lab.reference's math without its value checks: reference.validate.skipping_value_checks). Called directly,
+mhc_lab.reference checks values and names the input at fault. Range: the kernels sum x^2 in float32, so a
+token's lanes need sum(x^2) below 3.4e38 (|x| up to about 1.8e19 / sqrt(nC)); past it r = 0 and the coefficients
+come from the biases alone. The reference sums the squares in float64: no limit for float32, bfloat16 or float16
+lanes.
 """
 
 from mhc_lab.ops import site_ops  # noqa: F401  (registers torch.ops.mhc_lab.*)

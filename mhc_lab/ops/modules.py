@@ -49,6 +49,9 @@ def mhc_post(x, layer_output, post, res, *, backend: str = "auto"):
         require_tensor(name, value)
         if tuple(value.shape) != shape or value.device != x.device:
             raise InputError(f"mhc_post: {name}: expected shape {shape} on {x.device}, got {_describe(value)}")
+        if not value.is_floating_point():
+            raise InputError(f"mhc_post: {name}: expected a floating-point tensor, got {value.dtype} "
+                             f"({_describe(value)})")
     chosen = resolve_backend(backend, x)
     out = post_forward(x.reshape(-1, n, C), layer_output.reshape(-1, C), post.reshape(-1, n),
                        res.reshape(-1, n, n), chosen)
@@ -83,6 +86,9 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
         if tuple(next_phi.shape) != tuple(phi.shape) or next_phi.device != x.device:
             raise InputError(f"mhc_site: next_phi: expected shape {tuple(phi.shape)} on {x.device} (the next site "
                              f"of the same n and C), got {_describe(next_phi)}")
+        if not next_phi.is_floating_point():
+            raise InputError(f"mhc_site: next_phi: expected a floating-point tensor, got {next_phi.dtype} "
+                             f"({_describe(next_phi)})")
         if not fused_projection_applies(chosen, x):
             next_phi = None
     out, partial_next = post_forward_linked(lanes, link, f.reshape(-1, C), post, res, chosen, next_phi)

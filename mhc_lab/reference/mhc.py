@@ -26,12 +26,15 @@ from torch import nn
 from mhc_lab.reference.sinkhorn import SINKHORN_VARIANTS, sinkhorn
 from mhc_lab.reference.validate import (
     InputError,
+    checking_values,
     coefficient_dtype,
+    require_finite,
     require_lanes,
     require_lanes_not_transposed,
     require_positive_int,
     require_shape,
     require_trailing,
+    skipping_value_checks,
 )
 
 
@@ -57,7 +60,10 @@ def mhc_coefficients(
     eps: float = 1e-6,
     rms_eps: float = 1e-6,
 ) -> MHCCoefficients:
-    """H_pre, H_post, H_res for every token of x (Eqs. 7-9), in float32 (float64 for float64 input)."""
+    """H_pre, H_post, H_res for every token of x (Eqs. 7-9), in float32 (float64 for float64 input).
+
+    NaN or inf in x, phi, bias or alpha is an InputError naming the input (one value read back to the host, for
+    all of them; mhc_lab.ops runs this without it, see validate.skipping_value_checks)."""
     n, C = require_lanes("x", x)
     require_lanes_not_transposed("x", x, phi)
     k = mixes_width(n)
@@ -66,21 +72,43 @@ def mhc_coefficients(
     require_shape("alpha", alpha, (3,))
     if variant not in SINKHORN_VARIANTS:
         raise InputError(f"variant: expected one of {SINKHORN_VARIANTS}, got {variant!r}")
+    if isinstance(rms_eps, bool) or not isinstance(rms_eps, (int, float)) or not rms_eps >= 0:
+        raise InputError(f"rms_eps: expected a number >= 0, got {rms_eps!r}")
     cd = coefficient_dtype(x)
     flat = x.reshape(*x.shape[:-2], n * C).to(cd)
-    flat = flat * torch.rsqrt(flat.pow(2).mean(dim=-1, keepdim=True) + rms_eps)  # Eq. 7, RMSNorm
+    # Eq. 7, RMSNorm: flat * rsqrt(mean(flat^2) + eps), the squares summed in float64 in one pass (vector_norm's
+    # dtype): x^2 overflows float32 from |x| ~ 1.8e19, float64 only from ~1.3e154
+    sum_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float64).square()
+    flat = flat * torch.rsqrt(sum_sq / (n * C) + rms_eps).to(cd)
     mixes = flat @ phi.to(cd).t()
     alpha, bias = alpha.to(cd), bias.to(cd)
     pre_logits = alpha[0] * mixes[..., :n] + bias[:n]
     post_logits = alpha[1] * mixes[..., n : 2 * n] + bias[n : 2 * n]
     res_logits = alpha[2] * mixes[..., 2 * n :] + bias[2 * n :]
+    if checking_values():
+        _require_finite_logits((pre_logits, post_logits, res_logits), x=x, phi=phi, bias=bias, alpha=alpha)
     res_logits = res_logits.reshape(*res_logits.shape[:-1], n, n)
     pre = torch.sigmoid(pre_logits)  # Eq. 8
     if variant == "deepseek_v4":
         pre = pre + eps
     post = 2.0 * torch.sigmoid(post_logits)  # Eq. 8
-    res = sinkhorn(res_logits, variant=variant, iterations=iterations, eps=eps)  # Eq. 9
+    with skipping_value_checks():  # the logits are finite by now: sinkhorn need not read them back again
+        res = sinkhorn(res_logits, variant=variant, iterations=iterations, eps=eps)  # Eq. 9
     return MHCCoefficients(pre, post, res)
+
+
+def _require_finite_logits(logits, **inputs) -> None:
+    """One value read back for all of mhc_coefficients' logits; where one is NaN or inf, the input to blame."""
+    joined = torch.cat(logits, dim=-1)
+    if not (joined - joined).any():  # x - x: 0 for finite x, NaN for NaN and +-inf
+        return
+    for name, value in inputs.items():
+        require_finite(name, value)
+    raise InputError(
+        "mhc_coefficients: the logits alpha * (RMSNorm(x) phi^T) + bias overflowed to inf from finite x, phi, bias "
+        f"and alpha (largest |phi| {inputs['phi'].abs().max().item():.3g}, |alpha| "
+        f"{inputs['alpha'].abs().max().item():.3g}, |bias| {inputs['bias'].abs().max().item():.3g})"
+    )
 
 
 def mhc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,10 @@ the rows of H_res (the forward gain) are exact and the columns carry the remaini
 - ``deepseek_v4`` DeepSeek-V4's convention: row softmax + eps, one column normalisation, then t - 1 times
                   (row, column) with + eps in every denominator; the result is applied transposed.
 - ``log_domain``  the paper's iteration on log-potentials (logsumexp), finite for any finite logits.
+
+Logits must be finite: NaN, +inf and -inf are refused (an InputError naming "logits"). -inf is not taken as a
+zero weight: a row of -inf has no softmax, a column of -inf no normalisation, and both would give NaN; a weight
+meant to be zero is a large negative logit (e.g. -1e4: exp(-1e4) is 0 in float32 and float64).
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ import math
 
 import torch
 
-from mhc_lab.reference.validate import InputError, require_positive_int, require_tensor
+from mhc_lab.reference.validate import (
+    InputError,
+    checking_values,
+    require_finite,
+    require_positive_int,
+    require_tensor,
+)
 
 SINKHORN_VARIANTS = ("deepseek_v4", "paper", "log_domain")
 
@@ -29,8 +39,10 @@ def _check_logits(logits) -> torch.Tensor:
         )
     if not logits.is_floating_point():
         raise InputError(f"logits: expected a floating-point tensor, got dtype {logits.dtype}")
-    if torch.isnan(logits).any():
-        raise InputError("logits: expected no NaN entries, got at least one NaN")
+    # x - x is 0 for every finite x and NaN for NaN, +inf and -inf: two launches and one value read back (a sync),
+    # which mhc_lab.ops skips (skipping_value_checks)
+    if checking_values() and (logits - logits).any():
+        require_finite("logits", logits)
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
@@ -43,7 +55,8 @@ def sinkhorn_paper(logits: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     for _ in range(iterations):
         m = m / m.sum(dim=-2, keepdim=True)  # T_c: every column sums to 1
         m = m / m.sum(dim=-1, keepdim=True)  # T_r: every row sums to 1
-    if not torch.isfinite(m).all():
+    # (non-finite logits get here only inside skipping_value_checks: their NaN propagates)
+    if not torch.isfinite(m).all() and torch.isfinite(logits).all():
         spread = (logits.amax(dim=(-2, -1)) - logits.amin(dim=(-2, -1))).max().item()
         raise InputError(
             "sinkhorn_paper: exp(logits) underflowed to an all-zero column (largest logit spread in one matrix: "

@@ -1,8 +1,18 @@
-"""Input checks shared by every layer: one place that says what was expected and what was given."""
+"""Input checks shared by every layer: one place that says what was expected and what was given.
+
+Value checks (NaN, inf) read a value back to the host. The reference functions make them, except inside
+``skipping_value_checks()``: mhc_lab.ops runs the same math there, with no host sync, and lets NaN and inf
+propagate to its outputs instead.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+_VALUE_CHECKS = contextvars.ContextVar("mhc_lab_value_checks", default=True)
 
 
 class InputError(ValueError):
@@ -57,15 +67,23 @@ def require_lanes_not_transposed(name: str, x: torch.Tensor, phi, op: str = "") 
         )
 
 
-def require_shape(name: str, value, shape: tuple[int, ...]) -> torch.Tensor:
-    value = require_tensor(name, value)
-    if tuple(value.shape) != tuple(shape):
-        raise InputError(f"{name}: expected shape {tuple(shape)}, got {_describe(value)}")
+def require_floating(name: str, value: torch.Tensor) -> torch.Tensor:
+    if not value.is_floating_point():
+        raise InputError(f"{name}: expected a floating-point tensor, got {value.dtype} ({_describe(value)})")
     return value
 
 
+def require_shape(name: str, value, shape: tuple[int, ...]) -> torch.Tensor:
+    """A floating-point tensor of exactly this shape."""
+    value = require_tensor(name, value)
+    if tuple(value.shape) != tuple(shape):
+        raise InputError(f"{name}: expected shape {tuple(shape)}, got {_describe(value)}")
+    return require_floating(name, value)
+
+
 def require_trailing(name: str, value, trailing: tuple[int, ...], leading: tuple[int, ...] | None = None):
-    """Check that ``value`` ends in ``trailing`` dims (and, if given, that its leading dims are ``leading``)."""
+    """Check that ``value`` is a floating-point tensor ending in ``trailing`` dims (and, if given, that its leading
+    dims are ``leading``)."""
     value = require_tensor(name, value)
     k = len(trailing)
     if value.dim() < k or tuple(value.shape[value.dim() - k :]) != tuple(trailing):
@@ -74,7 +92,7 @@ def require_trailing(name: str, value, trailing: tuple[int, ...], leading: tuple
     if leading is not None and tuple(value.shape[: value.dim() - k]) != tuple(leading):
         want = "[" + ", ".join(str(s) for s in (*leading, *trailing)) + "]"
         raise InputError(f"{name}: expected shape {want} (batch dims must match), got {_describe(value)}")
-    return value
+    return require_floating(name, value)
 
 
 def require_positive_int(name: str, value) -> int:
@@ -84,10 +102,32 @@ def require_positive_int(name: str, value) -> int:
 
 
 def require_finite(name: str, value: torch.Tensor) -> torch.Tensor:
-    if not torch.isfinite(value).all():
-        bad = (~torch.isfinite(value)).sum().item()
-        raise InputError(f"{name}: expected finite values, got {bad} non-finite entries ({_describe(value)})")
+    """No NaN, +inf or -inf in value (a value check: it reads back to the host)."""
+    bad = ~torch.isfinite(value)
+    if bad.any():
+        counts = [int(t.sum()) for t in (torch.isnan(value), value == float("inf"), value == float("-inf"))]
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise InputError(f"{name}: expected no NaN or inf entries (finite values), got {counts[0]} NaN, "
+                         f"{counts[1]} +inf and {counts[2]} -inf, the first at index {first} ({_describe(value)})")
     return value
+
+
+def checking_values() -> bool:
+    """Whether the reference functions check values here: True, except inside skipping_value_checks()."""
+    return _VALUE_CHECKS.get()
+
+
+@contextlib.contextmanager
+def skipping_value_checks():
+    """The reference math without its value checks, for mhc_lab.ops: a value check reads a value back to the
+    host (a sync on every call, which also stops CUDA graphs and torch.compile), so the ops make none, and NaN
+    or inf in their inputs comes out as NaN or inf. Shapes, dtypes and devices are still checked, and so is what
+    a function cannot compute from finite input (sinkhorn_paper's underflow)."""
+    token = _VALUE_CHECKS.set(False)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
 
 
 def coefficient_dtype(x: torch.Tensor) -> torch.dtype:
