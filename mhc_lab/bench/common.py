@@ -35,6 +35,26 @@ def gpu_timer():
         return bench, "mhc_lab.measure.time_fn (median of CUDA events)"
 
 
+def compile_pass(measure, steps: list, label: str = "building the kernels before any clock starts") -> float:
+    """Run ``measure(step, bench)`` for each of ``steps`` with a bench that calls each function once and times
+    nothing, so that every kernel the measurement uses is built (TileLang compiles on first use; its on-disk
+    cache makes the next run, in any lab, fast) before a timed run starts. Returns the seconds it took."""
+    import time
+
+    from tqdm.auto import tqdm
+
+    def once(fn, warmup_ms=None, rep_ms=None):
+        fn()
+        torch.cuda.synchronize()
+        return 1.0
+
+    start = time.perf_counter()
+    for step in tqdm(steps, desc=label):
+        measure(step, once)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def copy_bandwidth(bench, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy of nbytes, counting bytes read + written, in GB/s."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -14,6 +14,8 @@ Parts, each a section of mhc_lab/recorded/training_h200.json (a run of some part
 - block_kernels (mhc_lab.bench.kernels): the plain block beside each of --block-kernels-kinds, profiled kernel
   by kernel, and that kind's connections alone.
 - host (mhc_lab.bench.host, not a default part): what the host costs per chained site at a small shape.
+- portable (mhc_lab.bench.portable, not a default part): one site per shape run with the Hopper programs and with
+  the portable ones (those of sm_80 to sm_89 and Blackwell), as CUDA graphs in --graph-rounds interleaved rounds.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from mhc_lab.bench.block import BLOCK_KINDS, bench_block
 from mhc_lab.bench.common import N, SHAPES, copy_bandwidth, gpu_timer, parse_shapes, section_saver
 from mhc_lab.bench.host import bench_host
 from mhc_lab.bench.kernels import bench_block_kernels
+from mhc_lab.bench.portable import bench_portable
 from mhc_lab.bench.site import bench_site
 
 RECORDING = "training_h200"
-PARTS = ("site", "block", "block_kernels", "host")
+PARTS = ("site", "block", "block_kernels", "host", "portable")
 DEFAULT_PARTS = ("site", "block", "block_kernels")
 BLOCK_WIDTHS = (2560, 4096)
 
@@ -104,6 +107,12 @@ def main(argv=None) -> int:
                 save(final=False)
     if "host" in parts:
         sections["host"] = bench_host()
+    if "portable" in parts:
+        sections["portable"] = {**setup, "shapes": []}
+        for tokens, C in parse_shapes(args.shapes):
+            sections["portable"]["shapes"].append(bench_portable(tokens, C, bench, rounds=args.graph_rounds))
+            save(final=False)
+            torch.cuda.empty_cache()
     path = save(final=True)
     print(f"done in {time.time() - t0:.0f} s" + (f"; saved {path}" if path else ""))
     return 0

@@ -278,7 +278,11 @@ def report(run_tilelang: bool = True, plan: bool = True, labs_dir: Path | None =
             "platform": f"{platform.system()} {platform.machine()}"}
     run_tilelang = run_tilelang and torch is not None
     if info["cuda"]:
-        info["gpu"] = torch.cuda.get_device_name(0)
+        from mhc_lab.ops.dispatch import cuda_device_facts, kernel_paths
+
+        name, capability, shared = cuda_device_facts(torch.device("cuda", 0))
+        info["gpu"], info["compute_capability"] = name, f"{capability[0]}.{capability[1]}"
+        info["kernel_paths"] = kernel_paths(capability, 4, shared_bytes=shared)  # per op, backend 'auto', n = 4
     info["compiler"] = compiler_check()
     if run_tilelang:
         info["tilelang_cpu"] = tilelang_known_answer("cpu")
@@ -303,8 +307,15 @@ def format_report(info: dict, cells: bool = False) -> str:
                                           for name, version in v.items())
                  + (f" ({', '.join(OPTIONAL)}: the instructor's tools, not needed by the labs)"
                     if any(v.get(name) is None for name in OPTIONAL) else ""))
-    device = f"CUDA GPU: {info['gpu']}" if info["cuda"] else "no CUDA GPU (torch sees none): the CPU"
+    device = (f"CUDA GPU: {info['gpu']} (compute capability {info['compute_capability']})" if info["cuda"] else
+              "no CUDA GPU (torch sees none): the CPU")
     lines.append(f"device:   {device}; {info['cpu_threads']} CPU threads; {info['platform']}")
+    if info.get("kernel_paths"):
+        lines.append("mHC ops with backend 'auto' on this GPU (n = 4 lanes): "
+                     + "; ".join(f"{op}: {path}" for op, path in info["kernel_paths"].items()))
+    elif not info["cuda"]:
+        lines.append("mHC ops with backend 'auto': the reference (PyTorch) on the CPU; backend='kernels' runs "
+                     "TileLang's C target")
     for key, label in (("tilelang_cpu", "TileLang known answer on the CPU (C target)"),
                        ("tilelang_gpu", "TileLang known answer on the GPU (CUDA)")):
         if key in info:

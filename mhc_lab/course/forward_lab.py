@@ -257,9 +257,10 @@ def recorded_copy_gbps(recording: dict | None = None) -> float | None:
 
 def measure_live(shapes, *, compile: bool, repeat_ms: int = 100, log=print) -> dict:
     """The benchmark's own functions (mhc_lab.bench.forward) on this CUDA GPU, for ``shapes``
-    [(tokens, C), ...]: the same view as recorded_results, plus the device name and the timer."""
+    [(tokens, C), ...]: the same view as recorded_results, plus the device name, the timer and the seconds spent
+    building the kernels first (``compile_seconds``: no timed figure includes a compile)."""
     from mhc_lab.bench import forward as bench_forward
-    from mhc_lab.bench.common import copy_bandwidth, gpu_timer
+    from mhc_lab.bench.common import compile_pass, copy_bandwidth, gpu_timer
 
     timer, timer_name = gpu_timer()
 
@@ -271,6 +272,9 @@ def measure_live(shapes, *, compile: bool, repeat_ms: int = 100, log=print) -> d
         skipped["compile"] = "skipped (compiling takes minutes); see the recording"
     if importlib.util.find_spec("tile_kernels") is None:
         skipped["tilekernels"] = "not installed (pip install tile-kernels)"
+    quiet = lambda *args, **kwargs: None  # noqa: E731
+    compile_seconds = compile_pass(lambda shape, once: bench_forward.bench_sites(*shape, once, skip=tuple(skipped),
+                                                                                 log=quiet), list(shapes))
     copy = copy_bandwidth(bench)
     sites = {"copy_gbps": copy, "shapes": []}
     reference = {"copy_gbps": copy, "shapes": []}
@@ -282,7 +286,8 @@ def measure_live(shapes, *, compile: bool, repeat_ms: int = 100, log=print) -> d
     results = merge_sections(sites, reference)
     for r in results["shapes"]:
         r["errors"].update(skipped)
-    return {"device": torch.cuda.get_device_name(), "timer": timer_name, **results}
+    return {"device": torch.cuda.get_device_name(), "timer": timer_name, "compile_seconds": compile_seconds,
+            **results}
 
 
 def _shape_name(r: dict) -> str:

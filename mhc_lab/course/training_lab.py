@@ -487,4 +487,7 @@ def profile_table(profiles: dict, device_type: str) -> str:
         over = f"{(p['seconds'] / base['seconds'] - 1) * 100:+.0f}%" if base else ""
         lines.append(f"{name:<26}{p['seconds'] * 1e3:>9.1f} ms{over:>13}{p['kept'] / 2**20:>13.2f}"
                      f"{p['peak'] / 2**20:>13.2f}")
+    if device_type == "cuda":
+        lines.append("At this size the host sets these times, not the GPU: each op waits for Python and dispatch to "
+                     "launch it. Lab 08 takes the two clocks apart (launched against GPU time).")
     return "\n".join(lines)

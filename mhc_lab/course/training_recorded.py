@@ -234,11 +234,12 @@ def measure_live(site_shapes: Sequence[tuple[int, int]], block_widths: Sequence[
     """The training benchmark's own functions (mhc_lab.bench) on this CUDA GPU: one site for each (tokens, C) in
     ``site_shapes``, one transformer block for each width in ``block_rounds`` interleaved rounds, each timing
     about ``repeat_ms``. torch.compile only with ``compile`` (minutes of compiling per shape; the recording has
-    it). {"device", "site", "block"}: the last two as the recording's sections."""
+    it). {"device", "skipped", "compile_seconds" (building the site's kernels before any clock starts), "site",
+    "block"}: the last two as the recording's sections."""
     import importlib.util
 
     from mhc_lab.bench.block import bench_block
-    from mhc_lab.bench.common import copy_bandwidth, gpu_timer
+    from mhc_lab.bench.common import compile_pass, copy_bandwidth, gpu_timer
     from mhc_lab.bench.site import bench_site
 
     timer, _ = gpu_timer()
@@ -249,6 +250,9 @@ def measure_live(site_shapes: Sequence[tuple[int, int]], block_widths: Sequence[
     skip = set() if compile else {"compile"}
     if importlib.util.find_spec("tile_kernels") is None:
         skip.add("tilekernels")
+    quiet = lambda *args, **kwargs: None  # noqa: E731
+    compile_seconds = compile_pass(lambda shape, once: bench_site(*shape, once, skip=skip, graph_rounds=1, log=quiet),
+                                   list(site_shapes))
     copy = copy_bandwidth(bench)
     site = {"copy_gbps": copy, "shapes": []}
     for tokens, C in site_shapes:
@@ -256,4 +260,5 @@ def measure_live(site_shapes: Sequence[tuple[int, int]], block_widths: Sequence[
         torch.cuda.empty_cache()
     block = {"copy_gbps": copy, "widths": [bench_block(width, bench, skip=skip, rounds=block_rounds, log=log)
                                            for width in block_widths]}
-    return {"device": torch.cuda.get_device_name(), "skipped": sorted(skip), "site": site, "block": block}
+    return {"device": torch.cuda.get_device_name(), "skipped": sorted(skip), "compile_seconds": compile_seconds,
+            "site": site, "block": block}

@@ -8,10 +8,14 @@ Targets, as accepted everywhere in ``mhc_lab.kernels``:
 
 - ``"c"`` (or ``"cpu"``): TileLang's C target. The program runs on the CPU, one program instance after
   another; GPU-only constructs (threads, fragments, shared memory, tensor cores) are replaced by plain loops.
-- ``"cuda"``: the GPU torch sees (its compute capability), or sm_90a when torch sees none.
+- ``"cuda"``: the current GPU torch sees (its compute capability), or sm_90a when torch sees none.
 - ``"sm_90"`` (any ``"sm_XY"``): a CUDA build for that architecture, also on a machine without a GPU
-  (compile-only check: nvcc must be on PATH or in /usr/local/cuda/bin). ``"sm_90"`` means ``"sm_90a"``, the
-  Hopper target with warpgroup instructions (wgmma, setmaxnreg) that TileLang's GEMMs use there.
+  (compile-only check: nvcc must be on PATH or in /usr/local/cuda/bin). From sm_90 on, ``"sm_XY"`` means
+  ``"sm_XYa"``, the build with that architecture's own instructions: on Hopper the warpgroup MMA (wgmma), and
+  from Hopper on setmaxnreg, which TileLang's warp-specialised pipelines use.
+
+Which programs a target takes: the Hopper programs (TMA, wgmma) on sm_90 (is_hopper); the portable ones
+(cp.async and mma.sync where TileLang lowers to them, TMA where the architecture has it) on sm_80 and later.
 """
 
 from __future__ import annotations
@@ -43,9 +47,39 @@ def canonical_target(target: str) -> str:
             pass
         return "sm_90a"
     if t.startswith("sm_") and t[3:].rstrip("a").isdigit():
-        # Hopper kernels use warpgroup instructions (wgmma, setmaxnreg) that only sm_90a has.
-        return "sm_90a" if t == "sm_90" else t
+        # from sm_90 on, the architecture's own instructions (wgmma on Hopper, setmaxnreg) need the "a" build
+        return t + "a" if int(t[3:].rstrip("a")) >= 90 and not t.endswith("a") else t
     raise ValueError(f"target: expected 'c', 'cpu', 'cuda' or 'sm_XY', got {target!r}")
+
+
+def device_target(capability: tuple[int, int]) -> str:
+    """The canonical target of a GPU of this compute capability: (8, 6) -> 'sm_86', (9, 0) -> 'sm_90a'."""
+    major, minor = capability
+    return canonical_target(f"sm_{major}{minor}")
+
+
+def tensor_target(tensor) -> str:
+    """The canonical target of the GPU a CUDA tensor is on (whatever the current device); where torch sees no
+    GPU (tensors that stand in for CUDA ones), the default build, as canonical_target('cuda')."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return canonical_target("cuda")
+    return device_target(torch.cuda.get_device_capability(tensor.device))
+
+
+def arch_number(target: str) -> int:
+    """A CUDA target's architecture as a number: 'sm_86' -> 86, 'sm_90a' -> 90 (ValueError for the C target)."""
+    t = canonical_target(target)
+    if t == "c":
+        raise ValueError("arch_number: expected a CUDA target ('cuda' or 'sm_XY'), got the C target")
+    return int(t[3:].rstrip("a"))
+
+
+def is_hopper(target: str) -> bool:
+    """Whether a CUDA target is Hopper (sm_90), the one architecture with both TMA and the warpgroup MMA (wgmma)
+    that the Hopper programs use; Blackwell (sm_100, sm_120) has TMA but not wgmma."""
+    return 90 <= arch_number(target) < 100
 
 
 def is_gpu(target: str) -> bool:
@@ -101,6 +135,13 @@ def quiet_tilelang() -> None:
 C_TARGET_FLAGS = ["-O3"]
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on Hopper (sm_90)
+# bytes of shared memory one CTA may use on every GPU from sm_80 on: 99 KB on sm_86, sm_89 and sm_120 (163 KB
+# on sm_80, 227 KB on sm_90 and sm_100)
+PORTABLE_SMEM_LIMIT = 99 * 1024
+# How a portable program is lowered on every GPU, Hopper and Blackwell included: T.copy to cp.async (no TMA),
+# T.gemm to mma.sync (no wgmma), no warp specialisation. A portable program is written for products that are
+# done where they are issued; lowered Hopper-style it would not be the program sm_80 runs (and is not right).
+PORTABLE_LOWERING = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True, "tl.disable_wgmma": True}
 
 
 # A pair of bf16 values to float32. TileLang's generated CUDA converts a pair with __bfloat1622float2, which ptxas
@@ -200,3 +241,31 @@ def round_up(value: int, multiple: int) -> int:
 
 def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+# The most shared memory one block may use, by compute capability (CUDA C++ Programming Guide, technical
+# specifications per compute capability). Capabilities not listed get the least of their major version's, and
+# from 13 on that of 12.
+SHARED_BYTES_PER_BLOCK = {
+    (7, 0): 96 * 1024, (7, 2): 96 * 1024, (7, 5): 64 * 1024,
+    (8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024,
+    (9, 0): 227 * 1024,
+    (10, 0): 227 * 1024, (10, 3): 227 * 1024, (11, 0): 227 * 1024,
+    (12, 0): 99 * 1024, (12, 1): 99 * 1024,
+}
+
+
+def shared_bytes_per_block(capability: tuple[int, int]) -> int:
+    """The most shared memory a block may use on a GPU of this compute capability (SHARED_BYTES_PER_BLOCK)."""
+    if capability in SHARED_BYTES_PER_BLOCK:
+        return SHARED_BYTES_PER_BLOCK[capability]
+    major = min(capability[0], 12)
+    same = [b for (ma, _), b in SHARED_BYTES_PER_BLOCK.items() if ma == major]
+    return min(same) if same else min(SHARED_BYTES_PER_BLOCK.values())
+
+
+def shared_memory_limit(target: str) -> int:
+    """The most shared memory a block may use on the GPUs of a CUDA target's architecture
+    (shared_bytes_per_block)."""
+    arch = arch_number(target)
+    return shared_bytes_per_block((arch // 10, arch % 10))

@@ -12,13 +12,14 @@
 # 14 C at n = 4, the least a site must move, instead of the 18 C of post + split pre (which reads x twice).
 # The first site of a stack still needs one projection pass of its own.
 #
-# One factory, two targets. CUDA: a CTA owns 64 tokens and one of `splits` ranges of columns; per column block
-# TileLang's producer warpgroup copies the n lane tiles, the f tile and the next phi's columns (bf16 hi and lo
-# rows, as the projection pass takes them) into shared memory by TMA; the consumer warpgroups mix the lanes in
-# float32, store each result to global memory from the registers and into an output tile in shared memory, and
-# multiply phi's rows with that tile on the tensor cores into a [(2M padded to 64) x 64] float32 accumulator
-# (phi is the A operand, so each wgmma is m64n32k16; with the output tile as A they would be m64n8k16, three
-# times as many); the squared norm is summed on the way. C target: the same arithmetic in plain loops.
+# One factory, two targets. CUDA, Hopper only (elsewhere the sites run unchained): a CTA owns 64 tokens and one of
+# `splits` ranges of columns; per column block TileLang's producer warpgroup copies the n lane tiles, the f tile and
+# the next phi's columns (bf16 hi and lo rows, as the projection pass takes them) into shared memory by TMA; the
+# consumer warpgroups mix the lanes in float32, store each result to global memory from the registers and into an
+# output tile in shared memory, and multiply phi's rows with that tile on the tensor cores into a [(2M padded to 64)
+# x 64] float32 accumulator (phi is the A operand, so each wgmma is m64n32k16; with the output tile as A they would
+# be m64n8k16, three times as many); the squared norm is summed on the way. C target: the same arithmetic in plain
+# loops.
 """post fused with the next site's projection: out = H_res x + H_post f, and the partial sums the next pre's
 apply pass starts from (CUDA tiles or TileLang's C target)."""
 
@@ -35,6 +36,7 @@ from mhc_lab.kernels._target import (
     check_lanes_and_width,
     check_target_dtype,
     compile_program,
+    is_hopper,
     round_up,
 )
 from mhc_lab.kernels.pre_split import PROJECTION_SPLITS, phi_rows, phi_tile_rows
@@ -43,6 +45,10 @@ from mhc_lab.kernels.pre_split import PROJECTION_SPLITS, phi_rows, phi_tile_rows
 def _check(n: int, C: int, dtype: str, target: str) -> str:
     check_lanes_and_width("post + projection kernel", n, C, max_lanes=8)
     t = check_target_dtype("post + projection kernel", dtype, target, ("bfloat16",))
+    if t != "c" and not is_hopper(t):
+        raise ValueError(f"post + projection kernel: a Hopper program (TMA, wgmma) for sm_90, got target {t!r}; on "
+                         f"other GPUs a stack of sites runs unchained, the post kernel and then the next pre's own "
+                         f"projection pass (mhc_lab.ops.dispatch.fused_projection_applies)")
     if t != "c" and C % 8:
         raise ValueError(f"post + projection kernel: CUDA copies 16-byte rows of each lane, so C must be a multiple "
                          f"of 8, got C = {C}")

@@ -18,21 +18,25 @@
 
 import functools
 
-from mhc_lab.kernels._target import canonical_target, compile_program
+from mhc_lab.kernels._target import PORTABLE_LOWERING, canonical_target, compile_program, is_hopper
 from mhc_lab.kernels.pre_backward_coefficients import coefficients_kernel
 from mhc_lab.kernels.pre_backward_lanes import pre_backward_lanes_program
 
 
 @functools.lru_cache(maxsize=None)
 def pre_backward_kernels(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1,
-                         add_dx: bool = False, post_grad: bool = False, lane_splits: int = 1):
+                         add_dx: bool = False, post_grad: bool = False, lane_splits: int = 1,
+                         hopper: bool | None = None):
     """(coefficients, lanes): kernel 1 (coefficients_kernel, one function whichever form runs) and kernel 2
     (pre_backward_lanes_program with add_dx or post_grad), compiled and cached per process. ``splits``: the
     forward partial's splits; ``lane_splits``: kernel 2's token splits on CUDA (the first axis of its dphi
-    output; the C target has one)."""
+    output; the C target has one); ``hopper``: kernel 2's Hopper or portable program on CUDA (by default the
+    one of the target's architecture)."""
     t = canonical_target(target)
     coefficients = coefficients_kernel(n, C, dtype, t, splits=splits)
-    lanes_kw = {} if t == "c" else {"splits": lane_splits}
+    lanes_kw = {} if t == "c" else {"splits": lane_splits, "hopper": hopper}
+    portable = t != "c" and not (is_hopper(t) if hopper is None else hopper)
     lanes = compile_program(pre_backward_lanes_program(n, C, dtype, t, add_dx=add_dx, post_grad=post_grad,
-                                                       **lanes_kw), t)
+                                                       **lanes_kw), t,
+                            pass_configs=PORTABLE_LOWERING if portable else None)
     return coefficients, lanes

@@ -30,7 +30,13 @@ from mhc_lab.kernels._coefficients import (
     spread_fits,
     spread_layout,
 )
-from mhc_lab.kernels._target import canonical_target, check_lanes_and_width, check_target_dtype, compile_program
+from mhc_lab.kernels._target import (
+    canonical_target,
+    check_lanes_and_width,
+    check_target_dtype,
+    compile_program,
+    shared_memory_limit,
+)
 from mhc_lab.kernels.pre_backward_operands import EXTRA, coef_width, gemm_depth, kernel2_operand_macros
 
 ITERATIONS = 20  # Sinkhorn rounds (DeepSeek-V4, mhc_lab.reference)
@@ -125,7 +131,9 @@ def fused_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: 
     threads = 256
     BT = 64
     # the n reduction accumulators, n x [BT x BC] float32, take at most 128 registers per thread
-    BC = max(32, min(128, 128 * threads // (n * BT)))
+    BC = 1 << (max(32, min(128, 128 * threads // (n * BT))).bit_length() - 1)  # a power of two: layouts exist
+    while BC > 32 and 2 * (n + 1) * BT * BC * 2 > shared_memory_limit(t):  # two stages within a block's memory
+        BC //= 2
     BC = min(BC, max(64, 1 << (C - 1).bit_length()))  # a power of two: layouts exist
     NC = (C + BC - 1) // BC
 

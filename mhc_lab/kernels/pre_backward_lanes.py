@@ -9,17 +9,22 @@
 # phi is read from L2 once per CTA, each dphi partial written once per split. FLOPs: 2 (n^2 + 2n) nC twice
 # (dmix phi and dmix^T x) on tensor cores, dmix and phi split into bf16 hi + lo (pre_backward_operands.py).
 #
-# CUDA: a CTA owns a block of columns of up to four lanes (lane_tiling) for a range of token tiles. phi's columns
-# are split into bf16 hi/lo once per CTA. Every operand of the token loop arrives by TMA copies, so the loop is
-# pipelined by a producer warpgroup. One or two consumer warpgroups (two where a CTA holds four lanes: each
-# takes two, so two warps per scheduler hide each other's latencies) run per token tile and lane two dx products
-# and one dphi product; each lane's dx products are issued before the previous lane's epilogue, so the tensor
-# cores work while the CUDA cores finish the other lane. dx leaves through shared memory by one TMA store per
-# tile (whole rows: the L2 took the register stores as half-sector writes); the tiles only the epilogue reads
-# get the GEMM tiles' swizzle, which leaves their reads free of bank conflicts. The dphi accumulators stay in
-# registers until the end. With g (post_grad, all n lanes per CTA) each warpgroup writes every term of dx but
-# the products into its lanes' accumulators before issuing them, so after each wait the epilogue only
-# converts and stores.
+# Hopper (sm_90): a CTA owns a block of columns of up to four lanes (lane_tiling) for a range of token tiles. phi's
+# columns are split into bf16 hi/lo once per CTA. Every operand of the token loop arrives by TMA copies, so the loop
+# is pipelined by a producer warpgroup. One or two consumer warpgroups (two where a CTA holds four lanes: each takes
+# two, so two warps per scheduler hide each other's latencies) run per token tile and lane two dx products and one
+# dphi product; each lane's dx products are issued before the previous lane's epilogue, so the tensor cores work
+# while the CUDA cores finish the other lane. dx leaves through shared memory by one TMA store per tile (whole rows:
+# the L2 took the register stores as half-sector writes); the tiles only the epilogue reads get the GEMM tiles'
+# swizzle, which leaves their reads free of bank conflicts. The dphi accumulators stay in registers until the end.
+# With g (post_grad, all n lanes per CTA) each warpgroup writes every term of dx but the products into its lanes'
+# accumulators before issuing them, so after each wait the epilogue only converts and stores.
+#
+# Portable (every other architecture from sm_80 on; _portable_body): the same operand tiles and products, copied
+# by T.copy (cp.async on sm_80 to sm_89) and multiplied by synchronous T.gemm (mma.sync there), lane after lane
+# through one dx accumulator, dx stored from registers, within the 99 KB of shared memory the smallest of those
+# GPUs gives a block. Its token loop is pipelined in chunks of a static trip count: TileLang's cp.async pipeline
+# of a loop whose trip count is only known at run time emits a wait it cannot compile.
 """pre backward, kernel 2: the lanes' and phi's gradients (CUDA tensor cores or TileLang's C target)."""
 
 
@@ -27,10 +32,17 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from mhc_lab.kernels._coefficients import mixes_width
-from mhc_lab.kernels._target import SMEM_LIMIT, check_lanes_and_width, check_target_dtype
+from mhc_lab.kernels._target import (
+    PORTABLE_SMEM_LIMIT,
+    SMEM_LIMIT,
+    check_lanes_and_width,
+    check_target_dtype,
+    is_hopper,
+)
 from mhc_lab.kernels.pre_backward_operands import EXTRA, coef_width, gemm_depth
 
 BLOCK_TOKENS = 64  # tokens per tile of kernel 2's token loop on CUDA (the warpgroup MMA's M)
+PORTABLE_CHUNK = 4  # token tiles per pipelined loop of the portable program
 THREADS = 128  # threads per consumer warpgroup
 
 
@@ -56,7 +68,8 @@ def _lane_dx_c(x, dy, pre, dmix, extra, phi, tok, j, col, M: int, C: int):
 
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
-                               add_dx: bool = False, post_grad: bool = False, splits: int = 1):
+                               add_dx: bool = False, post_grad: bool = False, splits: int = 1,
+                               hopper: bool | None = None):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
     extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (add_dx) dx_post [T, n, C], the linked post's gradient of the lanes, added to dx in the same pass, or
@@ -66,10 +79,16 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     (dphi itself), on CUDA [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it). ``splits``: the CUDA
     grid's token splits (lane_splits_for).
 
-    CUDA: the lanes, columns and consumer warpgroups of lane_tiling, the deepest pipeline that fits shared
-    memory (lane_stages), dx through shared memory and TMA stores where C is a multiple of 8 (TMA's rows start
-    on 16 bytes), else stored from registers. With dx_post each warpgroup reads the tile's dy once into float32
-    registers for all its lanes."""
+    CUDA, two programs of the same arithmetic and arguments; ``hopper`` picks one (by default the Hopper program
+    on sm_90, the portable one on every other architecture, is_hopper):
+    - Hopper: the lanes, columns and consumer warpgroups of lane_tiling, the deepest pipeline that fits shared
+      memory (lane_stages), dx through shared memory and TMA stores where C is a multiple of 8 (TMA's rows start
+      on 16 bytes), else stored from registers. With dx_post each warpgroup reads the tile's dy once into
+      float32 registers for all its lanes.
+    - portable (sm_80 and later, and sm_90 when asked for): the same tiles of operands, copied by T.copy
+      (cp.async before Hopper), the products by synchronous T.gemm (mma.sync before Hopper), one lane after
+      another into one dx accumulator, dx stored from registers; the lanes, columns and stages of
+      portable_lane_tiling, within the shared memory every GPU from sm_80 on gives a block."""
     t = _check("pre backward (lanes)", n, C, dtype, target)
     if add_dx and post_grad:
         raise ValueError("pre backward (lanes): add_dx (the post's dx) and post_grad (the post's g, whose H_res^T g "
@@ -141,6 +160,9 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
         return lanes_backward_c
 
+    if not (is_hopper(t) if hopper is None else hopper):
+        return _cuda_entry(_portable_body(n, C, dtype, add_dx, post_grad, NT, S), n, C, dtype, NT, S, add_dx,
+                           post_grad)
     stage_dx = C % 8 == 0  # dx by TMA stores, whose rows must start on 16 bytes
     dy_once = add_dx  # with dx_post: dy read once per warpgroup for all its lanes
     into_acc = post_grad  # with g: every term of dx but the products written into the accumulators first
@@ -161,6 +183,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                          f"shared memory, more than the {SMEM_LIMIT} a CTA may use")
 
     ASYNC = {"wg_wait": -1}  # issue the GEMM without waiting for it (T.wait_wgmma waits)
+    split_phi, copy_tile = _tile_macros(n, C, dtype, LG, BC)
 
     @T.macro
     def dx_gemms(a_dx, a_l0, phi_j, acc, annotations, onto_acc=False):
@@ -298,14 +321,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             tiles = T.ceildiv(T.ceildiv(NT, BT), S)
             for jj in group:
                 # this CTA's columns of phi, split into bf16 hi (rows 0..KH) and lo (rows KH..2KH) once
-                j = lg * LG + jj
-                for k, c in T.Parallel(K2, BC):
-                    q = k % KH
-                    v = T.if_then_else((q < M) & (c0 + c < C), phi[q % M, j * C + T.min(c0 + c, C - 1)],
-                                       T.float32(0))
-                    hi = T.cast(v, "bfloat16")
-                    lo = T.cast(v - T.cast(hi, "float32"), "bfloat16")
-                    phi_s[jj][k, c] = T.if_then_else(k < KH, hi, lo)
+                split_phi(phi, phi_s[jj], lg * LG + jj, c0)
                 if CG == 1:
                     T.clear(acc_phi[jj])
             if CG > 1:
@@ -319,19 +335,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                 t0 = (s * tiles + tb) * BT
                 # operands arrive by copies only (zero-filled past the last token), so the pipeline may
                 # prefetch the next tile while this one computes
-                T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
-                T.copy(dsplit[t0 : t0 + BT, 1, 0:KH], a_l0)
-                T.copy(dsplit[t0 : t0 + BT, 2, 0:K2], a_hl)
-                T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
-                for jj in group:
-                    T.copy(x[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], xs[jj])
-                    if dx_post is not None:
-                        T.copy(dx_post[t0 : t0 + BT, lg * LG + jj, c0 : c0 + BC], dps[jj])
-                if gs is not None:
-                    for i in lanes:
-                        T.copy(g[t0 : t0 + BT, i, c0 : c0 + BC], gs[i])
-                    T.copy(res[t0 : t0 + BT, 0:n, 0:n], res_s)
-                T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
+                copy_tile(t0, lg * LG, c0, x, dy, dsplit, coef, dx_post, g, res, a_dx, a_l0, a_hl, coef_s, xs, dps, gs,
+                          res_s, dys)
                 operands = (a_dx, a_l0, a_hl, phi_s, xs, coef_s, dps, gs, res_s, dx_stage, dx)
                 if CG > 1:  # each consumer warpgroup its own lanes, held dy and dx fragments
                     if tx < 128:
@@ -347,6 +352,127 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     lanes_tail(group_lanes[1], lg, c0, s, acc_phi, dphi_partial)
             else:
                 lanes_tail(group, lg, c0, s, acc_phi, dphi_partial)
+
+    return _cuda_entry(body, n, C, dtype, NT, S, add_dx, post_grad)
+
+
+def _portable_body(n: int, C: int, dtype: str, add_dx: bool, post_grad: bool, NT, S: int):
+    """Kernel 2's portable CUDA body (pre_backward_lanes_program): per CTA the LG lanes and BC columns of
+    portable_lane_tiling for a range of token tiles, in a pipeline of its stages. Per tile and lane: dx's two
+    products into one accumulator (with g, onto every other term of dx written there first), the epilogue,
+    dx stored from registers, then the lane's dphi product; each product waited for where it is issued."""
+    KH = gemm_depth(n)
+    K2, BT, CP = 2 * KH, BLOCK_TOKENS, coef_width(n)
+    LG, BC, stages = portable_lane_tiling(n, add_dx, post_grad)
+    lanes, group = list(range(n)), list(range(LG))
+    split_phi, copy_tile = _tile_macros(n, C, dtype, LG, BC)
+
+    @T.macro
+    def body(x, dy, dsplit, coef, phi, dx_post, g, res, dx, dphi_partial):
+        with T.Kernel(T.ceildiv(C, BC), n // LG, S, threads=THREADS) as (bc, lg, s):
+            phi_s = [T.alloc_shared((K2, BC), "bfloat16") for _ in group]  # [phi_hi; phi_lo]
+            a_dx = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_hi]
+            a_l0 = T.alloc_shared((BT, KH), "bfloat16")  # [dmix_lo | 0], its upper half (zeros) left out
+            a_hl = T.alloc_shared((BT, K2), "bfloat16")  # [dmix_hi | dmix_lo]
+            xs = [T.alloc_shared((BT, BC), dtype) for _ in group]
+            dys = T.alloc_shared((BT, BC), dtype)
+            coef_s = T.alloc_shared((BT, CP), "float32")  # H_pre per lane, then 2 ds
+            dps = [T.alloc_shared((BT, BC), dtype) if dx_post is not None else None for _ in group]
+            gs = [T.alloc_shared((BT, BC), dtype) for _ in lanes] if g is not None else None
+            res_s = T.alloc_shared((BT, n, n), "float32") if g is not None else None
+            acc = T.alloc_fragment((BT, BC), "float32")  # one lane's dx at a time
+            dxf = T.alloc_fragment((BT, BC), dtype)
+            acc_phi = [T.alloc_fragment((K2, BC), "float32") for _ in group]
+            c0 = bc * BC
+            # each split's token tiles in whole chunks: TileLang pipelines a loop of a static trip count (the
+            # tiles past the last token arrive zero-filled and add nothing)
+            chunks = T.ceildiv(T.ceildiv(T.ceildiv(NT, BT), S), PORTABLE_CHUNK)
+            for jj in group:
+                split_phi(phi, phi_s[jj], lg * LG + jj, c0)
+                T.clear(acc_phi[jj])
+            for ch in T.serial(chunks):
+                for tc in T.Pipelined(PORTABLE_CHUNK, num_stages=stages):
+                    t0 = ((s * chunks + ch) * PORTABLE_CHUNK + tc) * BT
+                    copy_tile(t0, lg * LG, c0, x, dy, dsplit, coef, dx_post, g, res, a_dx, a_l0, a_hl, coef_s, xs, dps,
+                              gs, res_s, dys)
+                    for jj in group:
+                        j = lg * LG + jj
+                        if g is not None:  # H_pre[j] dy + 2 ds x_j + H_res^T g first, the products onto them
+                            for tt, c in T.Parallel(BT, BC):
+                                v = (coef_s[tt, j] * T.cast(dys[tt, c], "float32")
+                                     + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
+                                for i in lanes:
+                                    v = v + res_s[tt, i, j] * T.cast(gs[i][tt, c], "float32")
+                                acc[tt, c] = v
+                            T.gemm(a_dx, phi_s[jj], acc, policy=T.GemmWarpPolicy.FullRow)
+                        else:
+                            T.gemm(a_dx, phi_s[jj], acc, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                        T.gemm(a_l0, phi_s[jj][0:KH, 0:BC], acc, policy=T.GemmWarpPolicy.FullRow)
+                        for tt, c in T.Parallel(BT, BC):
+                            v = acc[tt, c]
+                            if g is None:
+                                v = (v + coef_s[tt, j] * T.cast(dys[tt, c], "float32")
+                                     + coef_s[tt, n] * T.cast(xs[jj][tt, c], "float32"))
+                            if dx_post is not None:
+                                v = v + T.cast(dps[jj][tt, c], "float32")
+                            dxf[tt, c] = T.cast(v, dtype)
+                        T.copy(dxf, dx[t0 : t0 + BT, j, c0 : c0 + BC])
+                        T.gemm(a_hl, xs[jj], acc_phi[jj], transpose_A=True)
+            for jj in group:
+                j = lg * LG + jj
+                for k, c in T.Parallel(K2, BC):
+                    if c0 + c < C:
+                        dphi_partial[s, k, j * C + c0 + c] = acc_phi[jj][k, c]
+
+    return body
+
+
+def _tile_macros(n: int, C: int, dtype: str, LG: int, BC: int):
+    """What both CUDA bodies of kernel 2 do alike, for CTAs of LG lanes and BC columns:
+    ``split_phi(phi, phi_j, j, c0)`` writes columns c0.. of lane j's phi into phi_j, split into bf16 hi (rows
+    0..KH) and lo (rows KH..2KH), zeros past n^2+2n and past C; ``copy_tile(t0, j0, c0, ...)`` copies one
+    token tile's operands into shared memory (zero-filled past the last token)."""
+    M, KH = mixes_width(n), gemm_depth(n)
+    K2, BT, CP = 2 * KH, BLOCK_TOKENS, coef_width(n)
+    lanes, group = list(range(n)), list(range(LG))
+
+    @T.macro
+    def split_phi(phi, phi_j, j, c0):
+        for k, c in T.Parallel(K2, BC):
+            q = k % KH
+            v = T.if_then_else((q < M) & (c0 + c < C), phi[q % M, j * C + T.min(c0 + c, C - 1)],
+                               T.float32(0))
+            hi = T.cast(v, "bfloat16")
+            lo = T.cast(v - T.cast(hi, "float32"), "bfloat16")
+            phi_j[k, c] = T.if_then_else(k < KH, hi, lo)
+
+    @T.macro
+    def copy_tile(t0, j0, c0, x, dy, dsplit, coef, dx_post, g, res, a_dx, a_l0, a_hl, coef_s, xs, dps, gs, res_s,
+                  dys):
+        T.copy(dsplit[t0 : t0 + BT, 0, 0:K2], a_dx)
+        T.copy(dsplit[t0 : t0 + BT, 1, 0:KH], a_l0)
+        T.copy(dsplit[t0 : t0 + BT, 2, 0:K2], a_hl)
+        T.copy(coef[t0 : t0 + BT, 0:CP], coef_s)
+        for jj in group:
+            T.copy(x[t0 : t0 + BT, j0 + jj, c0 : c0 + BC], xs[jj])
+            if dx_post is not None:
+                T.copy(dx_post[t0 : t0 + BT, j0 + jj, c0 : c0 + BC], dps[jj])
+        if gs is not None:
+            for i in lanes:
+                T.copy(g[t0 : t0 + BT, i, c0 : c0 + BC], gs[i])
+            T.copy(res[t0 : t0 + BT, 0:n, 0:n], res_s)
+        T.copy(dy[t0 : t0 + BT, c0 : c0 + BC], dys)
+
+    return split_phi, copy_tile
+
+
+def _cuda_entry(body, n: int, C: int, dtype: str, NT, S: int, add_dx: bool, post_grad: bool):
+    """Kernel 2's CUDA entry point around a body (the Hopper or the portable one): the same arguments either way,
+    x, dy, dsplit, coef, phi, then (add_dx) dx_post or (post_grad) g and res, then dx and dphi_partial."""
+    M = mixes_width(n)
+    K = n * C
+    K2 = 2 * gemm_depth(n)
+    CP = coef_width(n)
 
     if add_dx:
 
@@ -444,6 +570,38 @@ def lanes_shared_bytes(n: int, lanes: int, block_c: int, stages: int, add_dx: bo
         staged += n * tile + BLOCK_TOKENS * n * n * 4
     staged_dx = lanes * tile if stage_dx else 0
     return lanes * k2 * block_c * 2 + staged_dx + stages * staged
+
+
+def portable_lane_tiling(n: int, add_dx: bool = False, post_grad: bool = False) -> tuple[int, int, int]:
+    """(lanes per CTA, columns per CTA, stages) of kernel 2's portable program: two lanes (one for odd n; with
+    g all n, since each lane's dx takes every lane of g), and the deepest pipeline (two stages, else one) with
+    the most columns (64, 32, 16) whose dphi accumulators, lanes x 2 gemm_depth(n) x columns float32, take at
+    most 96 registers per thread and whose tiles fit PORTABLE_SMEM_LIMIT (portable_shared_bytes)."""
+    lanes = n if post_grad else 2 if n % 2 == 0 else 1
+    for stages in (2, 1):
+        for columns in (64, 32, 16):
+            registers = lanes * 2 * gemm_depth(n) * columns // THREADS
+            if registers <= 96 and portable_shared_bytes(n, lanes, columns, stages, add_dx,
+                                                         post_grad) <= PORTABLE_SMEM_LIMIT:
+                return lanes, columns, stages
+    least = portable_shared_bytes(n, lanes, 16, 1, add_dx, post_grad)
+    raise ValueError(f"pre backward (lanes), portable: n = {n}{' with g' if post_grad else ''} needs {least} bytes "
+                     f"of shared memory in its narrowest tiles, more than the {PORTABLE_SMEM_LIMIT} every GPU from "
+                     f"sm_80 on gives a block")
+
+
+def portable_shared_bytes(n: int, lanes: int, block_c: int, stages: int, add_dx: bool = False,
+                          post_grad: bool = False) -> int:
+    """Shared memory of kernel 2's portable program: phi's columns; per stage the three dmix operands, the
+    coefficients, the lanes' x tiles, the dy tile and (add_dx) the lanes' dx_post tiles or (post_grad) the n
+    lanes' g tiles and the tokens' H_res."""
+    kh = gemm_depth(n)
+    tile = BLOCK_TOKENS * block_c * 2
+    staged = (BLOCK_TOKENS * 5 * kh * 2 + BLOCK_TOKENS * coef_width(n) * 4
+              + (lanes * (2 if add_dx else 1) + 1) * tile)
+    if post_grad:
+        staged += n * tile + BLOCK_TOKENS * n * n * 4
+    return lanes * 2 * kh * block_c * 2 + stages * staged
 
 
 def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad: bool = False) -> int:

@@ -3,6 +3,7 @@
 import torch
 
 from mhc_lab.kernels._coefficients import mixes_width
+from mhc_lab.kernels._target import tensor_target
 from mhc_lab.kernels.pre_split import PROJECTION_SPLITS, apply_kernel, phi_rows, phi_split_kernel, project_kernel
 
 
@@ -25,8 +26,9 @@ def run_pre_cuda(x, phi, bias, alpha, y, pre, post, res, *, splits: int = PROJEC
         partial = torch.empty(shape, dtype=torch.float32, device=x.device)
     elif tuple(partial.shape) != shape or partial.dtype != torch.float32:
         raise ValueError(f"partial: expected shape {shape} float32, got {tuple(partial.shape)} {partial.dtype}")
+    target = tensor_target(x)  # built for the GPU x is on
     if not projected:
         phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
-        phi_split_kernel(n, C, "cuda")(phi, phi_hl)
-        project_kernel(n, C, "bfloat16", "cuda", splits=splits)(x.view(tokens, n * C), phi_hl, partial)
-    apply_kernel(n, C, "bfloat16", "cuda", splits=splits)(x, partial, bias, alpha, y, pre, post, res)
+        phi_split_kernel(n, C, target)(phi, phi_hl)
+        project_kernel(n, C, "bfloat16", target, splits=splits)(x.view(tokens, n * C), phi_hl, partial)
+    apply_kernel(n, C, "bfloat16", target, splits=splits)(x, partial, bias, alpha, y, pre, post, res)

@@ -44,6 +44,7 @@ from mhc_lab.kernels._target import (
     check_target_dtype,
     compile_program,
     round_up,
+    shared_memory_limit,
 )
 
 # Column splits of the projection pass: each split is a grid column of CTAs writing its own partial sums, which
@@ -97,17 +98,30 @@ def phi_split_program(n: int, C: int, target: str = "cuda"):
     return phi_split
 
 
+def projection_tiles(n: int, target: str) -> tuple[int, int]:
+    """(tokens per CTA, stages) of the projection pass on a CUDA target: the first of 256 tokens in three
+    stages, 256 in two, 128 in two, 128 in one, whose tiles fit the shared memory a block of that architecture
+    may use (on sm_90 256 in three for every n; on the 99 KB GPUs fewer, and fewer as n grows)."""
+    limit = shared_memory_limit(target)
+    rows = phi_tile_rows(n)
+    for block_m, stages in ((256, 3), (256, 2), (128, 2), (128, 1)):
+        if max(stages * (block_m + rows) * 64 * 2, rows * block_m * 4) <= limit:
+            return block_m, stages
+    return 128, 1
+
+
 def project_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                     splits: int = PROJECTION_SPLITS):
     """The projection pass: partial [splits, T, n^2+2n+1] float32 from x_flat [T, nC] and phi_hl [phi_rows, nC].
 
-    A CTA owns 256 tokens and one of `splits` column ranges; TileLang pipelines [256 x 64] tiles of x and phi's
-    columns through shared memory in 3 stages (TMA, a producer warpgroup) into wgmma products with phi's rows
-    as A ([phi_tile_rows x 256 tokens] accumulator), and sums x^2 from the same tiles. 64 columns of bf16 are
+    A CTA owns block_m tokens and one of `splits` column ranges (projection_tiles: on Hopper 256 tokens, 3
+    stages); TileLang pipelines [block_m x 64] tiles of x and phi's columns through shared memory (on Hopper TMA
+    and a producer warpgroup, elsewhere cp.async) into products with phi's rows as A ([phi_tile_rows x block_m]
+    accumulator; wgmma on Hopper, mma.sync elsewhere), and sums x^2 from the same tiles. 64 columns of bf16 are
     128-byte rows, the widest TMA box under the 128-byte swizzle; longer tiles became several such boxes."""
-    _check_gpu(n, C, dtype, target)
+    t = _check_gpu(n, C, dtype, target)
     M, K, NP, NA = mixes_width(n), n * C, phi_rows(n), phi_tile_rows(n)
-    BM, BK, S, stages, threads = 256, 64, splits, 3, 256
+    (BM, stages), BK, S, threads = projection_tiles(n, t), 64, splits, 256
     KS = round_up(ceil_div(K, S), BK)  # K per split, whole chunks
     NK = KS // BK
     NT = T.dynamic("T")

@@ -399,8 +399,24 @@ TRAINING_HOST = _section("What the host costs per chained site at a small shape 
                                          "calls": number("Calls per step."), "function": text("Where.")})),
     }),
 })
+_PATH_KEYS = "'<path>.<what>': path hopper or portable, what linked_forward, linked or chained"
+TRAINING_PORTABLE = _section("One site with the Hopper programs and with the portable ones (part 'portable').",
+                             required={
+    "timer": text("How the times were taken."), "n": integer("Lanes."), "dtype": text("The lanes' dtype."),
+    "copy_gbps": number("Device-to-device copy bandwidth, GB/s."),
+    "shapes": array("One entry per shape.", obj("Both paths at one shape.", required={
+        "tokens": integer("Tokens."), "C": integer("Width."), "n": integer("Lanes."),
+        "graph_ms": table(f"Median CUDA-graph replay time per round, ms; keys {_PATH_KEYS}.", number("ms.")),
+        "graph_rounds_ms": table("Each one's replay time in every interleaved round, ms.",
+                                 array("ms per round.", number("ms."))),
+        "rel_err": table("Gradients against the float32 reference (not for linked_forward).",
+                         table("Relative error per gradient (x, phi, bias, alpha).", number("Relative error."))),
+        "errors": table("Why one is missing.", text("The error.")),
+    })),
+})
 TRAINING = obj("The training benchmark (mhc_lab.bench.training), one section per part.", required={}, optional={
     "site": TRAINING_SITE, "block": TRAINING_BLOCK, "block_kernels": TRAINING_BLOCK_KERNELS, "host": TRAINING_HOST,
+    "portable": TRAINING_PORTABLE,
 })
 
 
@@ -422,7 +438,7 @@ SCHEMAS = {s.name: s for s in (
     RecordingSchema("tilelang_h200", "python -m mhc_lab.bench tilelang --out mhc_lab/recorded", TILELANG),
     RecordingSchema("forward_h200", "python -m mhc_lab.bench forward", FORWARD, ("sites", "reference")),
     RecordingSchema("training_h200", "python -m mhc_lab.bench training", TRAINING,
-                    ("site", "block", "block_kernels", "host")),
+                    ("site", "block", "block_kernels", "host", "portable")),
 )}
 
 

@@ -172,7 +172,9 @@ def mhc_post_fused(x, layer_output, post, res, *, out: torch.Tensor | None = Non
             kernel(xf.float(), ff.float(), pf, rf, o32)
             of.copy_(o32)
         return out
-    kernel = post_kernel(n, C, _DTYPE_NAMES[x.dtype], "cuda")
+    from mhc_lab.kernels._target import tensor_target
+
+    kernel = post_kernel(n, C, _DTYPE_NAMES[x.dtype], tensor_target(x)).kernel  # the op checked its tensors above
     with torch.cuda.device(device):
         kernel(xf, ff, pf, rf, of)
     return out

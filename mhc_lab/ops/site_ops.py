@@ -22,14 +22,14 @@ from typing import Optional
 
 import torch
 
-from mhc_lab.ops.dispatch import lane_splits, partial_splits, post_gradient_to_pre_for
+from mhc_lab.ops.dispatch import cuda_programs, lane_splits, partial_splits, post_gradient_to_pre_for
 from mhc_lab.ops.forward import _DTYPE_NAMES, _describe
 from mhc_lab.reference.backward import post_backward as reference_post_backward
 from mhc_lab.reference.backward import pre_backward as reference_pre_backward
 from mhc_lab.reference.mhc import mhc_coefficients, mixes_width
 from mhc_lab.reference.mhc import mhc_post as reference_post
 from mhc_lab.reference.mhc import mhc_pre as reference_pre
-from mhc_lab.reference.validate import InputError, coefficient_dtype
+from mhc_lab.reference.validate import InputError, coefficient_dtype, skipping_value_checks
 
 
 def no_autocast(fn):
@@ -78,7 +78,8 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
     if projected:
         _check_partial(partial_in, x, backend, "pre_forward")
     if backend == "reference":
-        co = mhc_coefficients(x, phi, bias, alpha)
+        with skipping_value_checks():  # no value read back to the host: NaN and inf propagate, as in the kernels
+            co = mhc_coefficients(x, phi, bias, alpha)
         y = reference_pre(x, co.pre)
         partial = _no_partial(x) if projected else _partial_reference(x, phi)
         outputs = (y, co.post, co.res, co.pre, partial)
@@ -162,8 +163,10 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
         from mhc_lab.kernels.pre_backward_operands import coef_width, gemm_depth
 
         splits = lane_splits(n, C, x.device, add_dx, post_grad)
-        coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", "cuda", splits=partial.shape[0],
-                                                   lane_splits=splits, add_dx=add_dx, post_grad=post_grad)
+        target, hopper = cuda_programs(x)  # kernel 2's Hopper or portable program, by the GPU x is on
+        coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", target, splits=partial.shape[0],
+                                                   lane_splits=splits, add_dx=add_dx, post_grad=post_grad,
+                                                   hopper=hopper)
         dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
         coef = torch.empty((tokens, coef_width(n)), **f32)
         xc, dyc = x.contiguous(), dy.contiguous()
@@ -309,7 +312,7 @@ def post_backward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: tor
     if x.device.type == "cuda":
         dtype = _DTYPE_NAMES[x.dtype]
         with torch.cuda.device(x.device):
-            post_backward_kernel(n, C, dtype, "cuda", lanes_grad=lanes_grad)(
+            post_backward_kernel(n, C, dtype, cuda_programs(x)[0], lanes_grad=lanes_grad)(
                 x.contiguous(), f.contiguous(), g.contiguous(), post32, res32, *([dx] if lanes_grad else []), df,
                 dpost, dres)
     else:
@@ -375,17 +378,21 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
     from mhc_lab.kernels.post_project import post_project_kernel
 
     if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel
+        from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel, project_kernel
 
         splits = partial_splits(backend, x, chained=True)
-        out = torch.empty_like(x)
+        target, hopper = cuda_programs(x)  # the fused kernel is a Hopper program
+        out = torch.empty_like(x) if hopper else post_forward(x, f, post, res, backend)
         partial = torch.empty((splits, tokens, m + 1), dtype=torch.float32, device=x.device)
         if tokens:
             with torch.cuda.device(x.device):
                 phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
-                phi_split_kernel(n, C, "cuda")(phi32, phi_hl)
-                post_project_kernel(n, C, "bfloat16", "cuda", splits=splits)(
-                    x.contiguous(), f.contiguous(), post32, res32, phi_hl, out, partial)
+                phi_split_kernel(n, C, target)(phi32, phi_hl)
+                if hopper:
+                    post_project_kernel(n, C, "bfloat16", target, splits=splits)(
+                        x.contiguous(), f.contiguous(), post32, res32, phi_hl, out, partial)
+                else:  # elsewhere the post's lanes projected by the pre's own projection pass
+                    project_kernel(n, C, "bfloat16", target, splits=splits)(out.view(tokens, n * C), phi_hl, partial)
         return out, partial
     partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
     if x.dtype != torch.float32:
