@@ -140,7 +140,7 @@ def test_training_benchmark_refuses_a_part_it_does_not_have(capsys, parts):
         training.main(["--parts", parts])
     assert refused.value.code == 2
     err = capsys.readouterr().err
-    assert f"--parts: expected parts among site, block, block_kernels, host, portable, got {parts!r}" in err
+    assert f"--parts: expected parts among site, block, block_kernels, host, portable, stack, got {parts!r}" in err
 
 
 @pytest.mark.parametrize("parts", ["sites,zeros", "site", ""])
@@ -979,3 +979,360 @@ def test_host_part_times_the_chained_site(monkeypatch):
     assert 0 < len(rows) <= 5 and [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
     assert {"us", "calls", "function"} == set(rows[0])
 
+
+
+# ------------------------------------------------------------------------------------------------ stack
+
+from mhc_lab.bench import stack as bs
+
+STACK_RAN = {  # what a step of each kind runs, 2 layers: its stack's forward, and its sites' pre (or TileKernels')
+    "residual": ("forward:residual",),
+    "mhc_kernels": ("forward:mhc_kernels", "pre:kernels", "pre:kernels"),
+    "mhc_reference": ("forward:mhc_reference", "pre:reference", "pre:reference"),
+    "mhc_tilekernels": ("forward:mhc_tilekernels", "tk_post", "tk_post", "tk_pre", "tk_pre"),
+}
+
+
+def _tilekernels_from_the_reference(ran: list):
+    """TileKernels' mhc_pre and mhc_post as stand-ins with its arguments, computed by mhc_lab.reference."""
+    from mhc_lab.reference import mhc_coefficients, mhc_post, mhc_pre
+
+    def tk_pre(x, phi, alpha, bias, *, post_mult_value, sinkhorn_repeat):
+        ran.append("tk_pre")
+        assert (post_mult_value, sinkhorn_repeat) == (2.0, 20) and x.dim() == 4 and x.shape[0] == 1
+        pre, post, res = mhc_coefficients(x, phi, bias, alpha)
+        return mhc_pre(x, pre).to(x.dtype), (post, res)
+
+    def tk_post(f, x, post_mix, comb_mix):
+        ran.append("tk_post")
+        return mhc_post(x, f, post_mix, comb_mix).to(x.dtype)
+
+    return tk_pre, tk_post
+
+
+def _stacks_on_cpu(monkeypatch, ran: list, *, tilekernels: bool = True):
+    """stack_step and bench_stack on the CPU: tensors asked of "cuda" made on the CPU, Stack.cuda() leaving the
+    stack where it is, our kernels through the C target, TileKernels from the reference (or missing); every
+    stack's forward records its kind, every site's pre its backend."""
+    from mhc_lab.ops import modules
+
+    monkeypatch.setattr(bs, "torch", _cpu_torch())
+    monkeypatch.setattr(common, "torch", _cpu_torch())
+    monkeypatch.setattr(bs.Stack, "cuda", lambda self: self)
+    if tilekernels:
+        monkeypatch.setattr(bs, "tilekernels_ops", lambda: _tilekernels_from_the_reference(ran))
+    else:
+        def missing():
+            raise ModuleNotFoundError("No module named 'tile_kernels'")
+
+        monkeypatch.setattr(bs, "tilekernels_ops", missing)
+    forward = bs.Stack.forward
+
+    def spied_forward(self, h):
+        ran.append(f"forward:{self.kind}")
+        return forward(self, h)
+
+    monkeypatch.setattr(bs.Stack, "forward", spied_forward)
+    pre_forward = modules.pre_forward
+
+    def spied_pre(x, phi, bias, alpha, backend, *rest):
+        ran.append(f"pre:{backend}")
+        return pre_forward(x, phi, bias, alpha, backend, *rest)
+
+    monkeypatch.setattr(modules, "pre_forward", spied_pre)
+
+
+def _stack_section(shapes: list) -> dict:
+    """The section training.main writes around bench_stack's shapes."""
+    from mhc_lab.measure import environment_tags
+
+    return {"environment": environment_tags(), "command": "python -m mhc_lab.bench training --parts stack",
+            "timer": "stand-in timer", "n": N, "dtype": "bfloat16", "copy_gbps": 4000.0,
+            "launched_timer": bs.LAUNCHED_TIMER, "loss": bs.LOSS, "shapes": json.loads(json.dumps(shapes))}
+
+
+def test_stack_kinds_train_the_same_stack_on_the_cpu(monkeypatch):
+    """Each kind's training step, tiny on the CPU: the plain residual and the three mHC kinds share their layers'
+    weights and inputs; the mHC kinds (ours with the kernels through the C target, ours on the reference, and
+    TileKernels' ops as reference stand-ins) share their sites' parameters and give the same loss and input
+    gradient; every step writes its gradients afresh; a kind the part does not have is refused."""
+    ran = []
+    _stacks_on_cpu(monkeypatch, ran)
+    steps = {kind: bs.stack_step(64, 8, kind, layers=2) for kind in bs.STACK_KINDS}
+    residual = steps["residual"].stack.layers.state_dict()
+    for kind in bs.STACK_KINDS[1:]:
+        stream = steps[kind].stack.stream
+        assert all(torch.equal(a, b) for a, b in zip(stream.layers.state_dict().values(), residual.values())), kind
+        assert all(p.dtype == torch.bfloat16 for p in stream.layers.parameters())
+        for mine, theirs in zip(stream.connections.parameters(), steps["mhc_kernels"].stack.stream.connections
+                                .parameters()):
+            assert torch.equal(mine, theirs), kind
+        assert all(torch.equal(a, b) for a, b in zip(steps[kind].inputs, steps["residual"].inputs))
+    assert [c.backend for c in steps["mhc_reference"].stack.stream.connections] == ["reference"] * 2
+    assert [c.backend for c in steps["mhc_kernels"].stack.stream.connections] == ["kernels"] * 2
+    losses, grads = {}, {}
+    for kind, step in steps.items():
+        ran.clear()
+        step()
+        assert tuple(sorted(ran)) == STACK_RAN[kind], kind
+        h = step.inputs[0]
+        first = [h.grad.clone()] + [p.grad.clone() for p in step.stack.parameters()]
+        assert all(torch.isfinite(t.float()).all() for t in first) and first[0].float().abs().sum() > 0
+        step()
+        assert all(torch.equal(a, b) for a, b in zip(first, [h.grad] + [p.grad for p in step.stack.parameters()]))
+        losses[kind], grads[kind] = float(step.loss().detach()), first[0]
+    for kind in ("mhc_reference", "mhc_tilekernels"):
+        assert losses[kind] == pytest.approx(losses["mhc_kernels"], rel=2e-2), kind
+        assert _relative(grads[kind], grads["mhc_kernels"]) < 3e-2, kind
+    assert _relative(grads["residual"], grads["mhc_kernels"]) > 1e-1  # the connections change the function
+    with pytest.raises(ValueError, match=r"kind: expected one of residual, mhc_kernels, .*, got 'mhc_ours'"):
+        bs.stack_step(64, 8, "mhc_ours")
+
+
+def _stack_timers(monkeypatch, ran: list, *, failing_capture=(), broken_replay=()):
+    """Stand-ins for bench_stack's clocks, each running the callable it is given once and recording what ran:
+    the wall clock (launched), the profiler and the graphs' timer; call k of any of them reads k ms (the wall
+    clock 1000 k ms: a step longer than a launched timing's aim, so 5 steps per timing). A
+    ``failing_capture`` kind's graph cannot be captured; a ``broken_replay`` kind's replay zeroes its input's
+    gradient, as a graph that read freed memory would. Returns (calls, bench)."""
+    calls = []
+
+    def ran_now(fn):
+        ran.clear()
+        fn()
+        return tuple(sorted(ran))
+
+    def wall_ms(step, repeat):
+        calls.append(("launched", repeat, ran_now(step)))
+        return 1000.0 * len(calls)
+
+    def kernel_times(step, repeat=5):
+        calls.append(("profiled", ran_now(step)))
+        k = len(calls)
+        return {f"kernel {k}": (float(k), 2.0 * k)}
+
+    def graph_replay(step):
+        for _ in range(4):  # three warm-ups and the capture
+            step()
+        kind = step.stack.kind
+        if kind in failing_capture:
+            raise RuntimeError(f"{kind}: operation not permitted when stream is capturing")
+
+        def replay():
+            step()
+            if kind in broken_replay:
+                step.inputs[0].grad.zero_()
+
+        replay.step, replay.graphed = step, True
+        return replay
+
+    def bench(fn, warmup_ms=25, rep_ms=100):
+        assert getattr(fn, "graphed", False) and (warmup_ms, rep_ms) == (100, 500)
+        calls.append(("graph", ran_now(fn)))
+        return len(calls) * 1e-3
+
+    monkeypatch.setattr(bs, "wall_ms", wall_ms)
+    monkeypatch.setattr(bs, "kernel_times", kernel_times)
+    monkeypatch.setattr(bs, "graph_replay", graph_replay)
+    return calls, bench
+
+
+def test_stack_benchmark_times_each_kind_on_calls_of_its_own_step(monkeypatch):
+    """bench_stack on the CPU (our kernels through the C target, TileKernels' ops from the reference, stand-ins
+    for the wall clock, the profiler, the graphs and their timer): every figure of a kind comes from a call that
+    ran that kind's step and nothing else: its launched rounds (in turn, round after round, with its steps per
+    timing), its GPU time and kernels, its graph rounds; the ratios to the plain residual are taken per round;
+    the host profile runs the fused stream alone; the section validates against its schema."""
+    from mhc_lab.measure.schemas import TRAINING_STACK, validate
+
+    ran = []
+    _stacks_on_cpu(monkeypatch, ran)
+    calls, bench = _stack_timers(monkeypatch, ran)
+    real_profile, profiled = bs.host_profile, []
+
+    def host_profile(step, steps, **kwargs):
+        ran.clear()
+        result = real_profile(step, steps, **kwargs)
+        profiled.append((steps, set(ran)))
+        return result
+
+    monkeypatch.setattr(bs, "host_profile", host_profile)
+    lines = []
+    out = bs.bench_stack(64, 8, bench, layers=2, rounds=3, log=lines.append)
+    kinds = list(bs.STACK_KINDS)
+    assert out["errors"] == {}
+    assert (out["tokens"], out["C"], out["n"], out["layers"], out["hidden"]) == (8, 64, N, 2, 256)
+    for kind in kinds:
+        assert calls[round(out["gpu_ms"][kind]) - 1] == ("profiled", STACK_RAN[kind]), kind
+        assert out["kernels_per_step"][kind] == 2 * out["gpu_ms"][kind]
+        k = round(out["gpu_ms"][kind])
+        assert out["kernels"][kind] == {f"kernel {k}": {"ms": k, "launches": 2 * k}}
+        assert len(out["launched_rounds_ms"][kind]) == 3 and len(out["graph_rounds_ms"][kind]) == 3
+        for ms in out["launched_rounds_ms"][kind]:
+            assert calls[round(ms / 1000) - 1] == ("launched", 5, STACK_RAN[kind]), kind
+        for ms in out["graph_rounds_ms"][kind]:
+            assert calls[round(ms) - 1] == ("graph", STACK_RAN[kind]), kind
+        assert out["launched_ms"][kind] == out["launched_rounds_ms"][kind][1]  # the median of rising times
+        assert out["graph_ms"][kind] == pytest.approx(out["graph_rounds_ms"][kind][1])
+        assert out["graph_rel_diff"][kind] <= bb.GRAPH_TOLERANCE
+        assert out["steps_per_timing"][kind] == 5
+    timed = [c for c in calls if c[0] == "launched" and c[1] >= 5]
+    assert [c[2] for c in timed] == [STACK_RAN[k] for k in kinds] * 3  # in turn, round after round
+    assert [c[1] for c in calls if c[0] == "graph"] == [STACK_RAN[k] for k in kinds] * 3
+    assert profiled == [(out["steps_per_timing"]["mhc_kernels"], {"forward:mhc_kernels", "pre:kernels"})]
+    host = out["host"]
+    assert host["steps"] == out["steps_per_timing"]["mhc_kernels"] and host["forward_ms"] > 0
+    assert host["backward_ms"] > 0 and host["own_us"] > 0
+    for order, key in (("by_own_time", "us"), ("by_cumulative_time", "cumulative_us")):
+        rows = host[order]
+        assert 0 < len(rows) <= bs.TOP and [r[key] for r in rows] == sorted((r[key] for r in rows), reverse=True)
+    assert any("mhc_lab/ops/modules.py" in r["function"] for r in host["by_cumulative_time"])
+
+    ratios = out["over_residual"]
+    assert set(ratios["launched"]) == set(ratios["graph"]) == set(kinds[1:]) == set(out["per_site_over_residual"])
+    for kind in kinds[1:]:
+        assert ratios["launched"][kind]["ratios"] == pytest.approx(
+            [a / b for a, b in zip(out["launched_rounds_ms"][kind], out["launched_rounds_ms"]["residual"])])
+        assert ratios["graph"][kind]["ratios"] == pytest.approx(
+            [a / b for a, b in zip(out["graph_rounds_ms"][kind], out["graph_rounds_ms"]["residual"])])
+        assert ratios["gpu"][kind] == pytest.approx(out["gpu_ms"][kind] / out["gpu_ms"]["residual"])
+        assert ratios["kernels"][kind] == pytest.approx(2 * out["gpu_ms"][kind] / (2 * out["gpu_ms"]["residual"]))
+        site_row = out["per_site_over_residual"][kind]
+        assert site_row["launched_ms"] == pytest.approx((out["launched_ms"][kind] - out["launched_ms"]["residual"]) / 2)
+        assert site_row["kernels"] == pytest.approx(
+            (out["kernels_per_step"][kind] - out["kernels_per_step"]["residual"]) / 2)
+        assert site_row["graph_ms"] == pytest.approx((out["graph_ms"][kind] - out["graph_ms"]["residual"]) / 2)
+    assert any("mhc_kernels" in line and "per site over the residual" in line for line in lines)
+
+    section = _stack_section([out])
+    assert validate(section, TRAINING_STACK) == []
+    del section["shapes"][0]["gpu_ms"]
+    section["shapes"][0]["launched_ms"]["mhc_ours"] = 1.0
+    errors = validate(section, TRAINING_STACK)
+    assert "shapes[0]: missing key 'gpu_ms'" in errors and any("unknown key 'mhc_ours'" in e for e in errors)
+
+
+def test_stack_benchmark_records_a_missing_tilekernels_and_a_failed_graph_and_measures_the_rest(monkeypatch):
+    """Without TileKernels the stack part records why (the import error) and measures the other kinds; a graph
+    that cannot be captured is recorded and its kind still timed launched; a replay whose input gradient is off
+    the launched step's is refused; the section still validates; a set of kinds without the plain residual, or
+    with one the part does not have, is refused."""
+    from mhc_lab.measure.schemas import TRAINING_STACK, validate
+
+    ran = []
+    _stacks_on_cpu(monkeypatch, ran, tilekernels=False)
+    calls, bench = _stack_timers(monkeypatch, ran, failing_capture=("mhc_reference",), broken_replay=("mhc_kernels",))
+    lines = []
+    out = bs.bench_stack(64, 8, bench, layers=2, rounds=2, log=lines.append)
+    measured = ["residual", "mhc_kernels", "mhc_reference"]
+    assert set(out["errors"]) == {"mhc_tilekernels", "mhc_reference.graph", "mhc_kernels.graph"}
+    assert "No module named 'tile_kernels'" in out["errors"]["mhc_tilekernels"]
+    assert "operation not permitted when stream is capturing" in out["errors"]["mhc_reference.graph"]
+    assert out["errors"]["mhc_kernels.graph"].startswith("refused: the replay's input gradient is 1.00e+00")
+    assert any("mhc_tilekernels" in line and "FAILED" in line and "tile_kernels" in line for line in lines)
+    for figure in ("launched_ms", "launched_rounds_ms", "gpu_ms", "kernels_per_step", "steps_per_timing"):
+        assert list(out[figure]) == measured, figure
+    assert all(calls[round(ms / 1000) - 1][2] == STACK_RAN[kind] for kind in measured
+               for ms in out["launched_rounds_ms"][kind])
+    assert list(out["graph_ms"]) == ["residual"] and list(out["graph_rounds_ms"]) == ["residual"]
+    assert set(out["graph_rel_diff"]) == {"residual", "mhc_kernels"} and out["graph_rel_diff"]["mhc_kernels"] == 1.0
+    assert set(out["over_residual"]["launched"]) == {"mhc_kernels", "mhc_reference"}
+    assert out["over_residual"]["graph"] == {}
+    assert all("graph_ms" not in row for row in out["per_site_over_residual"].values())
+    assert "host" in out
+    assert validate(_stack_section([out]), TRAINING_STACK) == []
+
+    for kinds in (("mhc_kernels", "mhc_reference"), ("residual", "mhc_ours")):
+        with pytest.raises(ValueError, match=r"kinds: expected kinds among residual, mhc_kernels, mhc_reference, "
+                                             r"mhc_tilekernels, the plain residual among them"):
+            bs.bench_stack(64, 8, bench, kinds=kinds, log=lambda line: None)
+    out = bs.bench_stack(64, 8, bench, layers=2, rounds=1, kinds=("residual", "mhc_reference"), log=lambda line: None)
+    assert list(out["launched_ms"]) == ["residual", "mhc_reference"] and "host" not in out
+
+
+def test_training_main_runs_the_stack_part_with_its_flags(monkeypatch, tmp_path):
+    """training.main --parts stack (stand-ins for the GPU and bench_stack): the stack part alone runs, shape by
+    shape, with its layers, rounds and kinds, TileKernels left out by --skip tilekernels; its section holds the
+    run's setup, the launched timer and the loss, and is saved under 'stack'."""
+    _gpu_stand_ins(monkeypatch, training)
+    calls = []
+
+    def bench_stack(width, tokens, bench, *, layers, kinds, rounds):
+        calls.append((tokens, width, layers, list(kinds), rounds))
+        return {"tokens": tokens, "C": width}
+
+    monkeypatch.setattr(training, "bench_stack", bench_stack)
+    for name in ("bench_site", "bench_block", "bench_block_kernels", "bench_host", "bench_portable"):
+        monkeypatch.setattr(training, name, lambda *a, **k: pytest.fail("a part not given ran"))
+    argv = ["--parts", "stack", "--stack-shapes", "64x256,32x512", "--stack-layers", "3", "--stack-rounds", "2",
+            "--skip", "tilekernels", "--name", "t", "--out", str(tmp_path)]
+    assert training.main(argv) == 0
+    kinds = ["residual", "mhc_kernels", "mhc_reference"]
+    assert calls == [(64, 256, 3, kinds, 2), (32, 512, 3, kinds, 2)]
+    recording = json.loads((tmp_path / "t.json").read_text())
+    assert list(recording["results"]) == ["stack"]
+    part = recording["results"]["stack"]
+    assert (part["timer"], part["copy_gbps"], part["n"], part["dtype"]) == ("stand-in timer", 4000.0, N, "bfloat16")
+    assert (part["launched_timer"], part["loss"]) == (bs.LAUNCHED_TIMER, bs.LOSS)
+    assert part["shapes"] == [{"tokens": 64, "C": 256}, {"tokens": 32, "C": 512}] and "partial" not in part
+    calls.clear()
+    assert training.main(["--parts", "stack", "--stack-kinds", "residual,mhc_tilekernels", "--no-save"]) == 0
+    assert calls == [(t, c, 8, ["residual", "mhc_tilekernels"], 3) for t, c in bs.STACK_SHAPES]
+    assert training.DEFAULT_PARTS == ("site", "block", "block_kernels")  # not a default part
+
+
+def test_training_benchmark_takes_the_stack_part_and_its_default_shapes(monkeypatch, capsys):
+    """--parts stack gets through the parser and its checks (to the GPU check here); its default shapes are the
+    issue's, 4096 x 768 and 8192 x 2048."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert training.main(["--parts", "stack"]) == 1
+    assert training.main(["--parts", "stack", "--stack-shapes", "16384x2560,16384x4096"]) == 1
+    assert "bench training needs a CUDA GPU" in capsys.readouterr().out
+    args = training.build_parser().parse_args(["--parts", "stack"])
+    assert training._check(training.build_parser(), args) == ["stack"]
+    assert common.parse_shapes(args.stack_shapes) == [(4096, 768), (8192, 2048)] == list(bs.STACK_SHAPES)
+
+
+@pytest.mark.parametrize("shapes", ["4096x", "768", "4096x768x2", "0x768", "4096x-768", "ax768", "4096x768,", "",
+                                    "4096*768"])
+def test_training_benchmark_refuses_a_bad_stack_shape(capsys, shapes):
+    with pytest.raises(SystemExit) as refused:
+        training.main(["--parts", "stack", "--stack-shapes", shapes])
+    assert refused.value.code == 2
+    assert (f"--stack-shapes: expected TOKENSxC pairs of positive integers separated by commas (e.g. "
+            f"4096x768,8192x2048), got {shapes!r}") in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(ValueError, match="expected TOKENSxC pairs"):
+        common.parse_shapes(shapes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stack-kinds", "mhc_kernels,mhc_reference"], ("--stack-kinds: expected kinds among residual, mhc_kernels, "
+                                                       "mhc_reference, mhc_tilekernels, the plain residual among them")),
+    (["--stack-kinds", "residual,mhc_ours"], "--stack-kinds: expected kinds among residual"),
+    (["--stack-rounds", "0"], "--stack-rounds: expected an integer >= 1, got 0"),
+    (["--stack-layers", "0"], "--stack-layers: expected an integer >= 1, got 0"),
+])
+def test_training_benchmark_refuses_bad_stack_flags(capsys, argv, message):
+    with pytest.raises(SystemExit) as refused:
+        training.main(["--parts", "stack", *argv])
+    assert refused.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_stack_benchmark_records_a_failed_host_profile_and_keeps_the_timings(monkeypatch):
+    """A host profile that fails (cProfile, say) is recorded under 'mhc_kernels.host'; the fused stream's timings
+    and the section stand."""
+    from mhc_lab.measure.schemas import TRAINING_STACK, validate
+
+    ran = []
+    _stacks_on_cpu(monkeypatch, ran)
+    _, bench = _stack_timers(monkeypatch, ran)
+
+    def host_profile(step, steps, **kwargs):
+        raise ValueError("Another profiling tool is already active")
+
+    monkeypatch.setattr(bs, "host_profile", host_profile)
+    out = bs.bench_stack(64, 8, bench, layers=2, rounds=1, kinds=("residual", "mhc_kernels"), log=lambda line: None)
+    assert out["errors"] == {"mhc_kernels.host": "ValueError('Another profiling tool is already active')"}
+    assert "host" not in out and list(out["launched_ms"]) == list(out["graph_ms"]) == ["residual", "mhc_kernels"]
+    assert validate(_stack_section([out]), TRAINING_STACK) == []

@@ -10,7 +10,8 @@ command that made them; mhc_lab.measure.schemas documents every key).
     python -m mhc_lab.bench results [--check]         docs/results.md and the README's table from the recordings
 
 Modules: common.py (timer, copy bandwidth, inputs, graphs, rounds), memory_wall.py, tilelang.py, forward.py,
-training.py with site.py, block.py, copy_floor.py, kernels.py and host.py, warm.py, results.py.
+training.py with site.py, block.py, copy_floor.py, kernels.py, host.py, portable.py and stack.py, warm.py,
+results.py.
 """
 
 from __future__ import annotations

@@ -183,8 +183,15 @@ def overheads(rounds_ms: dict[str, list[float]], base: str = "residual") -> dict
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """'16384x2560,8192x7168' -> [(16384, 2560), (8192, 7168)]."""
-    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+    """'16384x2560,8192x7168' -> [(16384, 2560), (8192, 7168)]; a ValueError naming what it expected otherwise."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"expected TOKENSxC pairs of positive integers separated by commas (e.g. "
+                             f"4096x768,8192x2048), got {text!r}")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return shapes
 
 
 def section_saver(suite: str, args, argv, *, recording: str, order: tuple, sections: dict):

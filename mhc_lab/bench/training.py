@@ -2,6 +2,8 @@
 
     python -m mhc_lab.bench training                       # the default parts, records JSON
     python -m mhc_lab.bench training --parts site --shapes 16384x4096 --no-save
+    python -m mhc_lab.bench training --parts stack                 # the MLP stack at 4096x768 and 8192x2048
+    python -m mhc_lab.bench training --parts stack --stack-shapes 16384x2560,16384x4096   # at the block widths
 
 Parts, each a section of mhc_lab/recorded/training_h200.json (a run of some parts replaces those sections):
 
@@ -16,6 +18,11 @@ Parts, each a section of mhc_lab/recorded/training_h200.json (a run of some part
 - host (mhc_lab.bench.host, not a default part): what the host costs per chained site at a small shape.
 - portable (mhc_lab.bench.portable, not a default part): one site per shape run with the Hopper programs and with
   the portable ones (those of sm_80 to sm_89 and Blackwell), as CUDA graphs in --graph-rounds interleaved rounds.
+- stack (mhc_lab.bench.stack, not a default part): a stack of --stack-layers pre-norm MLP layers per
+  --stack-shapes, trained one step at a time as a user's loop does, joined by the plain residual, the fused
+  stream (MHCResidualStream, kernels), the reference stream and TileKernels: launched (wall clock) and as CUDA
+  graphs in --stack-rounds interleaved rounds, the kernels' GPU time and count, the ratios to the plain residual,
+  and where the fused stream's host time goes (cProfile).
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ from mhc_lab.bench.host import bench_host
 from mhc_lab.bench.kernels import bench_block_kernels
 from mhc_lab.bench.portable import bench_portable
 from mhc_lab.bench.site import bench_site
+from mhc_lab.bench.stack import LAUNCHED_TIMER, LOSS, STACK_KINDS, STACK_SHAPES, bench_stack
 
 RECORDING = "training_h200"
-PARTS = ("site", "block", "block_kernels", "host", "portable")
+PARTS = ("site", "block", "block_kernels", "host", "portable", "stack")
 DEFAULT_PARTS = ("site", "block", "block_kernels")
 BLOCK_WIDTHS = (2560, 4096)
 
@@ -51,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks, launched and as CUDA graphs")
     parser.add_argument("--block-kernels-kinds", default="mhc_ours,copy_floor", help="part 'block_kernels': the "
                         "kinds each profiled beside the plain block, comma-separated")
+    parser.add_argument("--stack-shapes", default=",".join(f"{t}x{c}" for t, c in STACK_SHAPES),
+                        help="part 'stack': shapes TOKENSxC of the stack (the block widths: 16384x2560,16384x4096)")
+    parser.add_argument("--stack-layers", type=int, default=8, help="part 'stack': MLP layers in the stack")
+    parser.add_argument("--stack-rounds", type=int, default=3, help="part 'stack': interleaved rounds of the "
+                        "stacks, launched and as CUDA graphs")
+    parser.add_argument("--stack-kinds", default=",".join(STACK_KINDS), help="part 'stack': the kinds, "
+                        "comma-separated, the plain residual among them (--skip tilekernels leaves TileKernels out)")
     parser.add_argument("--name", default=RECORDING, help="recording name (mhc_lab/recorded/NAME.json)")
     parser.add_argument("--out", "--out-dir", dest="out_dir", default=None, help="write the JSON here instead")
     parser.add_argument("--no-save", action="store_true", help="print only")
@@ -61,13 +76,21 @@ def _check(parser, args) -> list[str]:
     parts = [p for p in args.parts.split(",") if p]
     if not parts or set(parts) - set(PARTS):
         parser.error(f"--parts: expected parts among {', '.join(PARTS)}, got {args.parts!r}")
-    for flag in ("graph_rounds", "block_rounds"):
+    for flag in ("graph_rounds", "block_rounds", "stack_rounds", "stack_layers"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
     kinds = [k for k in args.block_kernels_kinds.split(",") if k]
     if not kinds or set(kinds) - set(BLOCK_KINDS[1:]):
         parser.error(f"--block-kernels-kinds: expected kinds among {', '.join(BLOCK_KINDS[1:])}, got "
                      f"{args.block_kernels_kinds!r}")
+    try:
+        parse_shapes(args.stack_shapes)
+    except ValueError as e:
+        parser.error(f"--stack-shapes: {e}")
+    kinds = [k for k in args.stack_kinds.split(",") if k]
+    if "residual" not in kinds or set(kinds) - set(STACK_KINDS):
+        parser.error(f"--stack-kinds: expected kinds among {', '.join(STACK_KINDS)}, the plain residual among them, "
+                     f"got {args.stack_kinds!r}")
     return [p for p in PARTS if p in parts]
 
 
@@ -111,6 +134,15 @@ def main(argv=None) -> int:
         sections["portable"] = {**setup, "shapes": []}
         for tokens, C in parse_shapes(args.shapes):
             sections["portable"]["shapes"].append(bench_portable(tokens, C, bench, rounds=args.graph_rounds))
+            save(final=False)
+            torch.cuda.empty_cache()
+    if "stack" in parts:
+        kinds = [k for k in args.stack_kinds.split(",")
+                 if k and not (k == "mhc_tilekernels" and "tilekernels" in skip)]
+        sections["stack"] = {**setup, "launched_timer": LAUNCHED_TIMER, "loss": LOSS, "shapes": []}
+        for tokens, C in parse_shapes(args.stack_shapes):
+            sections["stack"]["shapes"].append(bench_stack(C, tokens, bench, layers=args.stack_layers, kinds=kinds,
+                                                           rounds=args.stack_rounds))
             save(final=False)
             torch.cuda.empty_cache()
     path = save(final=True)

@@ -414,9 +414,86 @@ TRAINING_PORTABLE = _section("One site with the Hopper programs and with the por
         "errors": table("Why one is missing.", text("The error.")),
     })),
 })
+STACK_KINDS = ("residual", "mhc_kernels", "mhc_reference", "mhc_tilekernels")
+STACK_MHC_KINDS = STACK_KINDS[1:]
+_STACK_KINDS_DOC = ("residual (the plain residual), mhc_kernels (MHCResidualStream, the fused kernels), "
+                    "mhc_reference (MHCResidualStream, the reference backend), mhc_tilekernels (DeepSeek's "
+                    "TileKernels mhc_pre and mhc_post around the same layers with the same parameters)")
+HOST_FUNCTION = obj("One Python function (cProfile).", required={
+    "us": number("Own microseconds per step (in the function itself, not in what it calls)."),
+    "cumulative_us": number("Microseconds per step in the function and what it calls."),
+    "calls": number("Calls per step."),
+    "function": text("Where: path:line(function), or the name of a built-in."),
+})
+TRAINING_STACK = _section(
+    "A stack of pre-norm MLP layers trained one step at a time, as a user's loop does, per shape (part 'stack').",
+    required={
+        "timer": text("The timer of the CUDA graphs' replays: triton.testing.do_bench's median with the L2 flushed "
+                      "between runs, or CUDA events."),
+        "launched_timer": text("The timer of the launched steps: wall clock per step, the GPU synchronised at both "
+                               "ends, after warm-up steps."),
+        "loss": text("The step's scalar loss, whose backward the step runs."),
+        "n": integer("Lanes of the mHC kinds."), "dtype": text("The weights' and activations' dtype."),
+        "copy_gbps": SITE_SETUP["copy_gbps"],
+        "shapes": array("One entry per shape.", obj("Every kind at one shape.", required={
+            "tokens": integer("Tokens per step (one sequence)."), "C": integer("Width."),
+            "n": integer("Lanes of the mHC kinds."), "layers": integer("Sub-layers (mHC sites) in the stack."),
+            "hidden": integer("Width of the MLP's hidden layer (4C)."),
+            "steps_per_timing": table("Steps in each launched timing of a kind: about 300 ms of steps, 5 to 200.",
+                                      integer("Steps."), STACK_KINDS),
+            "launched_ms": table(f"Median over the rounds of the step launched op by op from Python, ms, per kind: "
+                                 f"{_STACK_KINDS_DOC}.", MS, STACK_KINDS),
+            "launched_rounds_ms": table("The launched step in interleaved rounds, every kind once per round.",
+                                        array("One time per round.", MS), STACK_KINDS),
+            "gpu_ms": table("GPU time of the step's kernels per step (torch.profiler, the sum of their durations).",
+                            MS, STACK_KINDS),
+            "kernels_per_step": table("Kernels (and copies) per step in the profiler.", number("Kernels."),
+                                      STACK_KINDS),
+            "kernels": table("Per kind, its kernels by name (the first 160 characters).",
+                             table("Per kernel name.", obj("One kernel.", required={
+                                 "ms": number("GPU ms per step."), "launches": number("Launches per step.")})),
+                             STACK_KINDS),
+            "graph_ms": table("Median over the rounds of the step captured once as a CUDA graph and replayed: the "
+                              "GPU's time alone, ms.", MS, STACK_KINDS),
+            "graph_rounds_ms": table("The replays in interleaved rounds, every kind once per round.",
+                                     array("One time per round.", MS), STACK_KINDS),
+            "graph_rel_diff": table("After the replays' timing, the replay's input gradient against the launched "
+                                    "step's (relative); a graph above 1e-2 is refused.",
+                                    number("Relative difference."), STACK_KINDS),
+            "over_residual": obj("Each mHC kind's figures over the plain residual's.", required={
+                "launched": table("Launched step, ratio per round.", RATIOS, STACK_MHC_KINDS),
+                "graph": table("CUDA graph, ratio per round.", RATIOS, STACK_MHC_KINDS),
+                "gpu": table("GPU time of the kernels, ratio.", number("Ratio."), STACK_MHC_KINDS),
+                "kernels": table("Kernels per step, ratio.", number("Ratio."), STACK_MHC_KINDS),
+            }),
+            "per_site_over_residual": table(
+                "What each mHC kind adds to the plain residual's step per site: its figure less the residual's, "
+                "over the layers.", obj("One kind.", required={
+                    "launched_ms": number("Launched ms per site."), "gpu_ms": number("GPU ms per site."),
+                    "kernels": number("Kernels per site."),
+                }, optional={"graph_ms": number("CUDA-graph ms per site (where both graphs were timed).")}),
+                STACK_MHC_KINDS),
+            "errors": table("Why a kind, its graph or its host profile has no figures (key: the kind, or it and "
+                            "'.graph' or '.host').", text("The reason.")),
+        }, optional={
+            "host": obj("Where the fused stream's (mhc_kernels) host time goes, over steps_per_timing steps. "
+                        "cProfile follows the autograd engine's device thread, where the backward's Python runs, "
+                        "on Python 3.12 and later; on earlier Pythons that time is run_backward's own.", required={
+                "steps": integer("Steps timed and profiled."),
+                "forward_ms": number("Wall time per step of the forward with the loss, launched, ms."),
+                "backward_ms": number("Wall time per step of the backward call, launched, ms."),
+                "profiled_ms": number("Wall time per step under cProfile, ms (its own cost included)."),
+                "own_us": number("The profiled functions' own time per step in all, microseconds."),
+                "by_own_time": array("The functions with the most own time per step, the most first.",
+                                     HOST_FUNCTION),
+                "by_cumulative_time": array("The functions with the most cumulative time per step, the most first.",
+                                            HOST_FUNCTION),
+            }),
+        })),
+    })
 TRAINING = obj("The training benchmark (mhc_lab.bench.training), one section per part.", required={}, optional={
     "site": TRAINING_SITE, "block": TRAINING_BLOCK, "block_kernels": TRAINING_BLOCK_KERNELS, "host": TRAINING_HOST,
-    "portable": TRAINING_PORTABLE,
+    "portable": TRAINING_PORTABLE, "stack": TRAINING_STACK,
 })
 
 
@@ -438,7 +515,7 @@ SCHEMAS = {s.name: s for s in (
     RecordingSchema("tilelang_h200", "python -m mhc_lab.bench tilelang --out mhc_lab/recorded", TILELANG),
     RecordingSchema("forward_h200", "python -m mhc_lab.bench forward", FORWARD, ("sites", "reference")),
     RecordingSchema("training_h200", "python -m mhc_lab.bench training", TRAINING,
-                    ("site", "block", "block_kernels", "host", "portable")),
+                    ("site", "block", "block_kernels", "host", "portable", "stack")),
 )}
 
 
