@@ -18,7 +18,7 @@ import math
 import pickle
 import time
 
-from mhc_lab.classroom.grading_kernel import HANDLE, RESULT_MIME, Reference
+from mhc_lab.classroom.grading_kernel import HANDLE, RESULT_MIME, Reference, tensors_in
 
 MAX_REQUEST = 64_000_000  # characters of one request's arguments
 
@@ -106,18 +106,6 @@ def _outbound(value):
     return value
 
 
-def _tensors(value) -> list:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 class KernelSession:
     """Calls into the learner's kernel through an nbclient client whose kernel is running (``client.kc``)."""
 
@@ -201,7 +189,7 @@ class KernelSession:
         if "error" in answer:
             raise self._exception(answer["error"])
         self.library_seen.update(str(name) for name in answer.get("library", ()))
-        mine = _tensors((args, kwargs))
+        mine = tensors_in((args, kwargs))
         theirs = answer.get("arguments") or []
         if len(theirs) == len(mine):
             with torch.no_grad():

@@ -97,15 +97,17 @@ def _encode(value, depth: int = 0):
     return {HANDLE: key, "type": type(value).__name__, "callable": callable(value)}
 
 
-def _tensors_of(value) -> list:
+def tensors_in(value) -> list:
+    """The tensors in a value (nested lists, tuples and dicts), in one fixed order: the grader and the kernel
+    walk a call's arguments alike with it."""
     import torch
 
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors_of(v)]
+        return [t for v in value for t in tensors_in(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_of(v)]
+        return [t for v in value.values() for t in tensors_in(v)]
     return []
 
 
@@ -145,7 +147,7 @@ def serve(request_text: str) -> None:
         # The tensor arguments as the call left them (a kernel writes its output into one), in the order the
         # grader walks its own copies.
         answer = {"value": _encode(value), "library": sorted(seen),
-                  "arguments": [t.detach().cpu().clone() for t in _tensors_of(raw)]}
+                  "arguments": [t.detach().cpu().clone() for t in tensors_in(raw)]}
     except BaseException as error:  # the learner's code may raise anything; KeyboardInterrupt is a time limit
         from mhc_lab.course.checks import CheckFailed
 

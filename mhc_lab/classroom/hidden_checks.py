@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from mhc_lab.classroom.grading_kernel import tensors_in
 from mhc_lab.classroom.notebook_build import ROOT
 
 HIDDEN_DIR = ROOT / "tests" / "hidden"
@@ -134,7 +135,7 @@ def same_as_reference(answer, reference, *args, case: str, name: str = "result",
         return v
 
     expected = reference(*[wide(a) for a in args], **{k: wide(v) for k, v in kwargs.items()})
-    floating = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+    floating = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]
     dtype = floating[0].dtype if floating else None
 
     def compare(g, e, label):
@@ -154,18 +155,6 @@ def same_as_reference(answer, reference, *args, case: str, name: str = "result",
 
 
 # ---- generic hidden checks ----------------------------------------------------------------------------------
-
-
-def _tensors(value) -> list:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def _clone(value):
@@ -234,7 +223,7 @@ def gradients_of(fn, args, kwargs):
     if not leaves:
         return None
     with torch.enable_grad():
-        outputs = [t for t in _tensors(fn(*a, **k)) if t.requires_grad and t.is_floating_point()]
+        outputs = [t for t in tensors_in(fn(*a, **k)) if t.requires_grad and t.is_floating_point()]
         if not outputs:
             return None
         generator = torch.Generator().manual_seed(1234)
@@ -316,7 +305,7 @@ def generic_checks(exercise, answer, learner_calls: list | None) -> list[HiddenC
             reference_keeps_inputs = all(unchanged_by(solution, a, k) for a, k in calls)
         except Exception:
             reference_keeps_inputs = False
-        if reference_keeps_inputs and any(_tensors(c) for c in calls):
+        if reference_keeps_inputs and any(tensors_in(c) for c in calls):
             def inputs_unchanged(answer):
                 from mhc_lab.course.checks import CheckFailed
 
