@@ -121,12 +121,18 @@ def _executed_names(submissions: list[Path]) -> dict[Path, str]:
     for path in submissions:
         name = _slug(path.relative_to(common))
         name = name if name.endswith(".ipynb") else f"{name}.ipynb"
-        base, number = name[: -len(".ipynb")], 2
-        while name in taken:
-            name, number = f"{base}__{number}.ipynb", number + 1
-        taken.add(name)
-        names[path] = name
+        names[path] = _unused_name(name, taken)
     return names
+
+
+def _unused_name(name: str, taken: set[str]) -> str:
+    """``name`` (a notebook file name), or name__2, name__3, ... where it is taken; the one returned is added to
+    ``taken``."""
+    base, number, chosen = name[: -len(".ipynb")], 2, name
+    while chosen in taken:
+        chosen, number = f"{base}__{number}.ipynb", number + 1
+    taken.add(chosen)
+    return chosen
 
 
 def _kill_group(pid: int | None) -> None:
@@ -413,11 +419,7 @@ def _stable_names(submissions: list[Path], earlier: list[dict]) -> dict[Path, st
     chosen = {}
     for submission in sorted(submissions, key=lambda s: str(s) not in old):
         name = old.get(str(submission)) or names[submission]
-        base, number = name[: -len(".ipynb")], 2
-        while name in taken:
-            name, number = f"{base}__{number}.ipynb", number + 1
-        taken.add(name)
-        chosen[submission] = name
+        chosen[submission] = _unused_name(name, taken)
     return chosen
 
 
