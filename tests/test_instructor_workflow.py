@@ -29,19 +29,12 @@ from mhc_lab.classroom.hidden_checks import HIDDEN_DIR
 from mhc_lab.classroom.notebook_build import LABS_DIR, ROOT, SOLUTIONS_DIR
 from mhc_lab.classroom.report import feedback_text, format_report, reasons, write_csv
 from mhc_lab.classroom.variants import RosterError, identify, read_roster, student_of
+from test_grading import _edit
 
 LAB = "00_setup.ipynb"
 RIGHT, WRONG = "return nbytes / seconds / 1e9", "return nbytes / seconds / 2**30"
 ROSTER = "Student ID,Name,Email\nalice,Alice A,alice@example.org\nbob,Bob B,bob@example.org\n" \
          "carol,Carol C,carol@example.org\ndave,Dave D,dave@example.org\n"
-
-
-def _edit(nb, old: str, new: str):
-    for cell in nb.cells:
-        if cell.cell_type == "code" and old in cell.source:
-            cell.source = cell.source.replace(old, new)
-            return nb
-    raise AssertionError(f"no cell contains {old!r}")
 
 
 def _cli(*args, cwd=ROOT, env=None, timeout=300):
