@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc_lab.kernels import nvcc_path
 from mhc_lab.reference import InputError, mhc_coefficients, mhc_post, mhc_pre
@@ -601,7 +602,7 @@ def test_linked_site_with_the_post_gradient_to_pre_matches_float64(monkeypatch, 
     from mhc_lab.ops import site_ops
 
     calls = {"post": [], "pre": []}
-    real_post, real_pre = site_ops.post_backward, site_ops.pre_backward
+    real_post, real_pre = site_ops.post_backward_impl, site_ops.pre_backward_impl
 
     def spy_post(*args):
         calls["post"].append(args[6] if len(args) > 6 else True)
@@ -611,8 +612,8 @@ def test_linked_site_with_the_post_gradient_to_pre_matches_float64(monkeypatch, 
         calls["pre"].append(args[12] if len(args) > 12 else False)
         return real_pre(*args)
 
-    monkeypatch.setattr(site_ops, "post_backward", spy_post)
-    monkeypatch.setattr(site_ops, "pre_backward", spy_pre)
+    monkeypatch.setattr(site_ops, "post_backward_impl", spy_post)  # what the eager path's backward calls
+    monkeypatch.setattr(site_ops, "pre_backward_impl", spy_pre)
     x, phi, bias, alpha, _ = _site_inputs((2, 5), n, C, seed=C + n)
     weight = torch.randn(C, C, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) / math.sqrt(C)
     g = _upstream((2, 5), n, C, seed=C)[3]
@@ -659,13 +660,13 @@ def test_pre_backward_takes_the_links_gradient_only_from_a_linked_site(monkeypat
     from mhc_lab.ops import site_ops
 
     seen = []
-    real = site_ops.pre_backward
+    real = site_ops.pre_backward_impl
 
     def spy(*args):
         seen.append(args[10] is not None)
         return real(*args)
 
-    monkeypatch.setattr(site_ops, "pre_backward", spy)
+    monkeypatch.setattr(site_ops, "pre_backward_impl", spy)
     x, phi, bias, alpha, _ = _site_inputs((3,), 4, 8, seed=2, dtype=torch.float32)
     leaves = [t.float().requires_grad_() for t in (x, phi, bias, alpha)]
     out = _site(backend, *leaves, torch.eye(8, dtype=torch.float64), linked)
@@ -709,14 +710,14 @@ def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
         return h
 
     seen = []
-    real = modules.pre_forward
+    real = modules.run_pre_forward
 
     def spy(*args):
         seen.append(len(args) > 5 and args[5] is not None)
         return real(*args)
 
     want = grads(unchained)
-    monkeypatch.setattr(modules, "pre_forward", spy)
+    monkeypatch.setattr(modules, "run_pre_forward", spy)
     got = grads(lambda h: modules.run_sites(h, connections, layers))
     assert seen == [False, True, True]
     return max(_relmax(a, b) for a, b in zip(got, want))
@@ -889,6 +890,77 @@ def test_stream_under_torch_compile_matches_eager():
     torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
     for a, b in zip(compiled.parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+class _OpsSeen(TorchDispatchMode):
+    """A dispatch mode that records the ops it sees and runs them unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend,dtype,device", [
+    ("reference", torch.float64, "cpu"), ("kernels", torch.float32, "cpu"), ("kernels", torch.bfloat16, "cpu"),
+    pytest.param("kernels", torch.bfloat16, "cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU: the CUDA kernels run only there"))])
+def test_eager_path_and_custom_ops_give_the_same_bits(backend, dtype, device):
+    """Called eagerly the sites run their implementations through autograd.Functions; under a dispatch mode
+    (and torch.compile, torch.export) as torch.ops.mhc_lab.* custom ops. Both give the same outputs and
+    gradients, bit for bit, on a chain of three linked sites and a separate site, and the mode sees every op of
+    the site, forward and backward, as one op."""
+    from mhc_lab.ops import mhc_post as op_post, mhc_pre as op_pre
+    from mhc_lab.ops.site_ops import as_ops
+
+    def run():
+        torch.manual_seed(0)
+        stream = _stream(None, backend, layers=3).to(device)
+        stream.to(torch.float64) if dtype == torch.float64 else stream.layers.to(dtype)  # phi stays float32
+        h = torch.randn(2, 5, 16, dtype=dtype, device=device, requires_grad=True)
+        out = stream(h)
+        x, phi, bias, alpha, f = _site_inputs((3,), 4, 16, seed=4)
+        leaves = [x.to(device, dtype).requires_grad_()] + [
+            t.to(device, stream.connections[0].phi.dtype).requires_grad_() for t in (phi, bias, alpha)]
+        y, post, res = op_pre(*leaves, backend=backend)
+        separate = op_post(leaves[0], torch.tanh(y), post, res, backend=backend)
+        (out.square().sum() + separate.square().sum()).backward()
+        return [out, separate, h.grad, *(p.grad for p in stream.parameters()), *(t.grad for t in leaves)]
+
+    assert not as_ops()
+    eager = run()
+    seen = _OpsSeen()
+    with seen:
+        assert as_ops()
+        traced = run()
+    names = {str(op) for op in seen.ops if getattr(op, "namespace", None) == "mhc_lab"}
+    assert names == {f"mhc_lab.{op}.default" for op in ("pre_forward", "post_forward_linked", "post_forward",
+                                                        "pre_backward", "post_backward")}, names
+    for a, b in zip(eager, traced, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernels"])
+def test_compiled_stream_traces_once_for_every_step(backend):
+    """torch.compile takes a training loop's stream whole: one graph (no break at the sites' ops), and the
+    steps after the first run it without compiling again."""
+    from torch._dynamo.utils import counters
+
+    stream = _stream(None, backend, layers=3)
+    torch._dynamo.reset()
+    counters.clear()
+    run = torch.compile(stream)
+    for step in range(3):
+        stream.zero_grad(set_to_none=True)
+        h = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        run(h).square().sum().backward()
+        assert h.grad is not None and all(p.grad is not None for p in stream.parameters())
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"] and not counters["recompiles"], (dict(counters["graph_break"]),
+                                                                       dict(counters["recompiles"]))
 
 
 def test_ops_refuse_bad_input_clearly():

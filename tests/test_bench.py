@@ -1033,13 +1033,13 @@ def _stacks_on_cpu(monkeypatch, ran: list, *, tilekernels: bool = True):
         return forward(self, h)
 
     monkeypatch.setattr(bs.Stack, "forward", spied_forward)
-    pre_forward = modules.pre_forward
+    pre_forward = modules.run_pre_forward
 
     def spied_pre(x, phi, bias, alpha, backend, *rest):
         ran.append(f"pre:{backend}")
         return pre_forward(x, phi, bias, alpha, backend, *rest)
 
-    monkeypatch.setattr(modules, "pre_forward", spied_pre)
+    monkeypatch.setattr(modules, "run_pre_forward", spied_pre)
 
 
 def _stack_section(shapes: list) -> dict:
@@ -1244,7 +1244,8 @@ def test_stack_benchmark_records_a_missing_tilekernels_and_a_failed_graph_and_me
 
     for kinds in (("mhc_kernels", "mhc_reference"), ("residual", "mhc_ours")):
         with pytest.raises(ValueError, match=r"kinds: expected kinds among residual, mhc_kernels, mhc_reference, "
-                                             r"mhc_tilekernels, the plain residual among them"):
+                                             r"mhc_tilekernels, residual_compiled, .*mhc_reference_reduce_overhead, "
+                                             r"the plain residual among them"):
             bs.bench_stack(64, 8, bench, kinds=kinds, log=lambda line: None)
     out = bs.bench_stack(64, 8, bench, layers=2, rounds=1, kinds=("residual", "mhc_reference"), log=lambda line: None)
     assert list(out["launched_ms"]) == ["residual", "mhc_reference"] and "host" not in out
@@ -1307,7 +1308,7 @@ def test_training_benchmark_refuses_a_bad_stack_shape(capsys, shapes):
 
 @pytest.mark.parametrize("argv, message", [
     (["--stack-kinds", "mhc_kernels,mhc_reference"], ("--stack-kinds: expected kinds among residual, mhc_kernels, "
-                                                       "mhc_reference, mhc_tilekernels, the plain residual among them")),
+                                                       "mhc_reference, mhc_tilekernels, residual_compiled, ")),
     (["--stack-kinds", "residual,mhc_ours"], "--stack-kinds: expected kinds among residual"),
     (["--stack-rounds", "0"], "--stack-rounds: expected an integer >= 1, got 0"),
     (["--stack-layers", "0"], "--stack-layers: expected an integer >= 1, got 0"),
@@ -1336,3 +1337,15 @@ def test_stack_benchmark_records_a_failed_host_profile_and_keeps_the_timings(mon
     assert out["errors"] == {"mhc_kernels.host": "ValueError('Another profiling tool is already active')"}
     assert "host" not in out and list(out["launched_ms"]) == list(out["graph_ms"]) == ["residual", "mhc_kernels"]
     assert validate(_stack_section([out]), TRAINING_STACK) == []
+
+
+def test_compiled_stack_kinds_name_their_mode_and_are_compared_with_the_plain_residual_run_alike():
+    assert bs.compile_mode("mhc_kernels_reduce_overhead") == ("mhc_kernels", "reduce-overhead")
+    assert bs.compile_mode("residual_compiled") == ("residual", "default")
+    assert bs.compile_mode("mhc_tilekernels") == ("mhc_tilekernels", None)
+    assert bs.compile_mode("mhc_tilekernels_compiled") == ("mhc_tilekernels_compiled", None)  # not a kind
+    assert set(bs.COMPILED_KINDS) <= set(bs.ALL_KINDS) and not set(bs.COMPILED_KINDS) & set(bs.STACK_KINDS)
+    measured = {"residual": 1.0, "residual_compiled": 1.0, "mhc_kernels_compiled": 2.0}
+    assert bs.plain_of("mhc_kernels_compiled", measured) == "residual_compiled"
+    assert bs.plain_of("mhc_kernels_reduce_overhead", measured) == "residual"  # its own plain kind not measured
+    assert bs.plain_of("mhc_kernels", measured) == "residual"

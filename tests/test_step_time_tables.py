@@ -90,3 +90,114 @@ def test_the_shipped_recordings_render():
                  step_time.bytes_table(forward, breakdown), step_time.bytes_reading(forward, breakdown)):
         assert text and not text.startswith("(no")
     assert "RECORDED on" in step_time.section_label(recorded, "training", "block")
+
+
+# ---- section 2: the stack of layers on two clocks -----------------------------------------------------------
+
+
+def test_host_per_site_shares_the_launched_growth_beyond_the_gpu_growth():
+    host, bound = step_time.host_per_site(27.5, 3.5, 8.0, 2.3, 8)
+    assert host == pytest.approx((19.5 - 1.2) / 8) and bound is True
+    host, bound = step_time.host_per_site(10.2, 4.0, 10.0, 3.2, 1)  # the sites' kernels filled the plain step's waits
+    assert host == pytest.approx(-0.6) and bound is True
+    assert step_time.host_per_site(4.0, 2.0, 3.0, 1.5, 2) == (0.25, False)  # a wait of exactly half: not host-bound
+    assert step_time.host_per_site(41.0, 39.2, 33.5, 32.6, 12)[1] is False
+
+
+def _stack_shape():
+    """A stack section's shape with figures no other figure equals, a compiled variant, a kind of no known name, and
+    recorded ratios that are not the quotients of the medians (the table must read them, not recompute them)."""
+    return {
+        "tokens": 2048, "C": 512, "n": 4, "layers": 6, "hidden": 2048,
+        "launched_ms": {"residual": 5.11, "mhc_kernels": 17.33, "mhc_kernels_compiled": 9.87, "mystery": 6.66},
+        "gpu_ms": {"residual": 1.21, "mhc_kernels": 1.94, "mhc_kernels_compiled": 1.77, "mystery": 1.31},
+        "kernels_per_step": {"residual": 101.0, "mhc_kernels": 163.0, "mhc_kernels_compiled": 131.0, "mystery": 107.0},
+        "graph_ms": {"residual": 1.29, "mhc_kernels": 2.04},
+        "over_residual": {"launched": {"mhc_kernels": {"median": 3.47}, "mhc_kernels_compiled": {"median": 1.93},
+                                       "mystery": {"median": 1.31}},
+                          "graph": {"mhc_kernels": {"median": 1.59}},
+                          "gpu": {"mhc_kernels": 1.62, "mhc_kernels_compiled": 1.46, "mystery": 1.08},
+                          "kernels": {"mhc_kernels": 1.61}},
+        "errors": {"mhc_kernels_compiled.graph": "RuntimeError('capture failed')"},
+    }
+
+
+def test_stack_table_reads_every_ratio_and_labels_every_kind():
+    stack = {"shapes": [_stack_shape()]}
+    rows = {r["kind"]: r for r in step_time.stack_rows(stack)}
+    assert list(rows) == ["residual", "mhc_kernels", "mhc_kernels_compiled", "mystery"]
+    assert rows["mhc_kernels"]["launched_ratio"] == 3.47 and rows["mhc_kernels"]["graph_ratio"] == 1.59
+    assert rows["mhc_kernels_compiled"]["graph_ms"] is None and rows["mhc_kernels_compiled"]["graph_ratio"] is None
+    host, bound = step_time.host_per_site(17.33, 1.94, 5.11, 1.21, 6)
+    assert rows["mhc_kernels"]["host_ms"] == host and rows["mhc_kernels"]["host_bound"] is bound
+    assert rows["mhc_kernels"]["site_kernels"] == pytest.approx((163 - 101) / 6)
+    text = step_time.stack_table(stack)
+    for label in ("plain residual", "mHC, fused kernels", "mHC, fused kernels, compiled", "mystery"):
+        assert f"  {label} " in text
+    for shown in ("17.33 ms", "3.47x", "1.59x", "1.62x", "163", f"{host:+.3f} ms", "capture failed"):
+        assert shown in text
+    assert step_time.stack_table(None) == "(no stack measurements)"
+
+
+def test_a_live_stack_without_recorded_ratios_shows_the_quotients():
+    shape = _stack_shape()
+    del shape["over_residual"]
+    (row,) = [r for r in step_time.stack_rows({"shapes": [shape]}) if r["kind"] == "mhc_kernels"]
+    assert row["launched_ratio"] == pytest.approx(17.33 / 5.11) and row["graph_ratio"] == pytest.approx(2.04 / 1.29)
+
+
+def _numbers(text: str) -> list[str]:
+    import re
+
+    return re.findall(r"[+-]?\d+(?:\.\d+)?", text)
+
+
+def test_every_figure_of_the_shipped_stack_table_is_the_recordings():
+    recorded = step_time.load_recorded()
+    stack = step_time.section(recorded, "training", "stack")
+    if not stack:
+        pytest.skip("no stack section recorded")
+    allowed = set()
+    for shape in stack["shapes"]:
+        allowed |= {str(shape[k]) for k in ("tokens", "C", "n", "layers")}
+        allowed |= {str(v) for v in (shape.get("dynamo") or {}).values()}
+        over, per_site = shape["over_residual"], shape["per_site_over_residual"]
+        for kind in step_time.stack_kinds(shape):
+            for figure in ("launched_ms", "gpu_ms", "graph_ms"):
+                if kind in shape[figure]:
+                    allowed.add(f"{shape[figure][kind]:.2f}")
+            if kind in shape["kernels_per_step"]:
+                allowed.add(f"{shape['kernels_per_step'][kind]:.0f}")
+            for mode in ("launched", "graph"):
+                if kind in over[mode]:
+                    allowed.add(f"{over[mode][kind]['median']:.2f}")
+            if kind in over["gpu"]:
+                allowed.add(f"{over['gpu'][kind]:.2f}")
+            if kind in per_site:
+                site = per_site[kind]
+                allowed |= {f"{site['gpu_ms']:+.3f}", f"{site['kernels']:+.1f}",
+                            f"{site['launched_ms'] - site['gpu_ms']:+.3f}"}
+    text = step_time.stack_table(stack)
+    shown = _numbers(text.split("\n(x:")[0])  # the legend below the table holds no figure
+    assert shown and set(shown) <= allowed, sorted(set(shown) - allowed)
+    for row in step_time.stack_rows(stack):
+        if row["host_ms"] is not None:  # exercise 8.4's host per site is the benchmark's per-site figures' difference
+            site = next(s for s in stack["shapes"] if s["C"] == row["C"] and s["tokens"] == row["tokens"])
+            per_site = site["per_site_over_residual"][row["kind"]]
+            assert row["host_ms"] == pytest.approx(per_site["launched_ms"] - per_site["gpu_ms"])
+            assert row["site_gpu_ms"] == pytest.approx(per_site["gpu_ms"])
+    host = step_time.stack_host_table(stack)
+    assert not host.startswith("(no")
+    for shape in stack["shapes"]:
+        if shape.get("host"):
+            assert f"{shape['host']['forward_ms']:.2f} ms" in host
+            assert f"{shape['host']['by_own_time'][0]['us'] / 1e3:.2f} ms" in host
+
+
+def test_the_host_of_a_tiny_reference_stack_is_profiled_on_the_cpu():
+    profile = step_time.profile_host_cpu(width=16, tokens=8, layers=2, steps=1)
+    assert set(profile["ms"]) == {"residual", "mhc_reference"}
+    assert any("mhc_lab/" in row["function"] for row in profile["functions"])
+    assert not any("step_time.py" in row["function"] for row in profile["functions"])
+    text = step_time.cpu_host_table(profile)
+    assert "by cumulative time" in text and "by own time" in text

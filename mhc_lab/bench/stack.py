@@ -40,8 +40,19 @@ from mhc_lab.bench.common import (
 )
 from mhc_lab.bench.host import wall_ms
 from mhc_lab.bench.kernels import kernel_times, kernel_totals
+from mhc_lab.measure.schemas import (
+    STACK_ALL_KINDS,
+    STACK_COMPILE_MODES,
+    STACK_COMPILED_KINDS,
+    STACK_KINDS,
+)
 
-STACK_KINDS = ("residual", "mhc_kernels", "mhc_reference", "mhc_tilekernels")
+# The same steps under torch.compile are not among the default kinds (each compiles for tens of seconds): kind
+# "<kind>_compiled" in the default mode, "<kind>_reduce_overhead" in mode "reduce-overhead" (torch.compile's own
+# CUDA graphs). TileKernels' ops are not compiled.
+COMPILE_MODES = STACK_COMPILE_MODES
+COMPILED_KINDS = STACK_COMPILED_KINDS
+ALL_KINDS = STACK_ALL_KINDS
 STACK_SHAPES = ((4096, 768), (8192, 2048))  # tokens x C: a small model's width, and a larger one's
 PROFILED = "mhc_kernels"  # the kind whose host time is profiled function by function
 LOSS = "sum(output * w), w a fixed random bf16 tensor of the output's shape"
@@ -93,19 +104,30 @@ class Stack(nn.Module):
         return self.stream(h)
 
 
+def compile_mode(kind: str) -> tuple[str, str | None]:
+    """(the kind of stack, torch.compile's mode or None) of one of ALL_KINDS."""
+    for suffix, mode in COMPILE_MODES.items():
+        if kind.endswith("_" + suffix) and kind in COMPILED_KINDS:
+            return kind.removesuffix("_" + suffix), mode
+    return kind, None
+
+
 def stack_step(width: int, tokens: int, kind: str, *, layers: int = 8, n: int = N, seed: int = 0):
-    """One of STACK_KINDS as a training step on one sequence of ``tokens``: step() runs forward, loss and
+    """One of ALL_KINDS as a training step on one sequence of ``tokens``: step() runs forward, loss and
     backward; step.loss() the gradients' reset, the forward and the loss (what the backward then follows);
-    step.stack, step.inputs (h, w). The stacks of every kind share their layers' weights and inputs (seeded)."""
+    step.stack (the module, uncompiled), step.inputs (h, w). The stacks of every kind share their layers' weights
+    and inputs (seeded)."""
     torch.manual_seed(seed)
     h = torch.randn(1, tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(1, tokens, width, device="cuda", dtype=torch.bfloat16)
-    stack = Stack(width, layers, kind, n).cuda()
+    base, mode = compile_mode(kind)
+    stack = Stack(width, layers, base, n).cuda()
+    model = stack if mode is None else torch.compile(stack, mode=mode)
 
     def loss():
         h.grad = None
         stack.zero_grad(set_to_none=True)
-        return (stack(h) * w).sum()
+        return (model(h) * w).sum()
 
     def step():
         loss().backward()
@@ -157,6 +179,16 @@ def host_profile(step, steps: int, *, top: int = TOP) -> dict:
             "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_us"])[:top]}
 
 
+def _compile_every_stack() -> None:
+    """Every compiled kind compiles the same Stack.forward for a module of its own: let Dynamo keep a compiled
+    graph for each (by default it stops compiling a function after 8) so that none falls back to eager."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+
+
 def _medians(rounds_ms: dict) -> dict:
     return {kind: statistics.median(times) for kind, times in rounds_ms.items()}
 
@@ -170,18 +202,25 @@ def bench_stack(width: int, tokens: int, bench, *, layers: int = 8, n: int = N, 
     graph cannot be captured or replays something else, or whose host profile fails, is recorded in "errors" with
     the reason; the others are still measured."""
     kinds = tuple(kinds)
-    if "residual" not in kinds or set(kinds) - set(STACK_KINDS):
-        raise ValueError(f"kinds: expected kinds among {', '.join(STACK_KINDS)}, the plain residual among them, "
+    if "residual" not in kinds or set(kinds) - set(ALL_KINDS):
+        raise ValueError(f"kinds: expected kinds among {', '.join(ALL_KINDS)}, the plain residual among them, "
                          f"got {kinds!r}")
+    from torch._dynamo.utils import counters
+
+    if set(kinds) & set(COMPILED_KINDS):
+        _compile_every_stack()
+        counters.clear()
     out = {"tokens": tokens, "C": width, "n": n, "layers": layers, "hidden": 4 * width, "steps_per_timing": {},
            "launched_ms": {}, "launched_rounds_ms": {}, "gpu_ms": {}, "kernels_per_step": {}, "kernels": {},
-           "graph_ms": {}, "graph_rounds_ms": {}, "graph_rel_diff": {}, "errors": {}}
+           "graph_ms": {}, "graph_rounds_ms": {}, "graph_rel_diff": {}, "first_step_s": {}, "errors": {}}
     steps, launched_grads = {}, {}
-    for kind in (k for k in STACK_KINDS if k in kinds):
+    for kind in (k for k in ALL_KINDS if k in kinds):
         try:
             step = stack_step(width, tokens, kind, layers=layers, n=n)
-            step()  # the first step builds the kernels (TileLang compiles on first use)
+            start = time.perf_counter()
+            step()  # the first step builds the kernels (TileLang compiles on first use), and compiles a compiled kind
             torch.cuda.synchronize()
+            out["first_step_s"][kind] = time.perf_counter() - start
             repeat = max(5, min(200, math.ceil(TARGET_MS / max(wall_ms(step, 1), 1e-3))))
             times = kernel_times(step)
             grad = step.inputs[0].grad.detach().clone()
@@ -208,8 +247,14 @@ def bench_stack(width: int, tokens: int, bench, *, layers: int = 8, n: int = N, 
             out["errors"][f"{PROFILED}.host"] = repr(e)[:500]
             log(f"  stack {tokens}x{width} {PROFILED:16s} host profile FAILED {repr(e)[:300]}")
 
+    if set(kinds) & set(COMPILED_KINDS):
+        out["dynamo"] = {"graph_breaks": sum(counters["graph_break"].values()),
+                         "recompiles": sum(counters["recompiles"].values()),
+                         "unique_graphs": counters["stats"]["unique_graphs"]}
     replays = {}
     for kind, step in steps.items():
+        if compile_mode(kind)[1] is not None:  # timed launched only: reduce-overhead is torch.compile's own graph
+            continue
         try:
             replays[kind] = graph_replay(step)
         except Exception as e:  # noqa: BLE001 - a capture that fails is recorded, not fatal
@@ -236,34 +281,45 @@ def bench_stack(width: int, tokens: int, bench, *, layers: int = 8, n: int = N, 
     return out
 
 
+def plain_of(kind: str, measured) -> str:
+    """The plain residual a kind is compared with: the plain residual run the same way (compiled in the same
+    mode) where it was measured, else the eager one."""
+    _, mode = compile_mode(kind)
+    same = next((f"residual_{suffix}" for suffix, m in COMPILE_MODES.items() if m == mode), None)
+    return same if same in measured else "residual"
+
+
 def _over_residual(out: dict) -> dict:
-    """Each other kind's figures over the plain residual's: launched and graph per round, GPU time and kernels."""
+    """Each other kind's figures over its plain residual's (plain_of): launched and graph per round, GPU time and
+    kernels."""
     ratios = {"launched": {}, "graph": {}, "gpu": {}, "kernels": {}}
     for kind in out["launched_ms"]:
-        if kind == "residual":
+        plain = plain_of(kind, out["launched_ms"])
+        if kind == plain or kind.startswith("residual"):
             continue
         for mode in ("launched", "graph"):
-            r = round_ratios(out[f"{mode}_rounds_ms"].get(kind), out[f"{mode}_rounds_ms"].get("residual"))
+            r = round_ratios(out[f"{mode}_rounds_ms"].get(kind), out[f"{mode}_rounds_ms"].get(plain))
             if r:
                 ratios[mode][kind] = r
-        if out["gpu_ms"].get("residual"):
-            ratios["gpu"][kind] = out["gpu_ms"][kind] / out["gpu_ms"]["residual"]
-        if out["kernels_per_step"].get("residual"):
-            ratios["kernels"][kind] = out["kernels_per_step"][kind] / out["kernels_per_step"]["residual"]
+        if out["gpu_ms"].get(plain):
+            ratios["gpu"][kind] = out["gpu_ms"][kind] / out["gpu_ms"][plain]
+        if out["kernels_per_step"].get(plain):
+            ratios["kernels"][kind] = out["kernels_per_step"][kind] / out["kernels_per_step"][plain]
     return ratios
 
 
 def _per_site(out: dict, layers: int) -> dict:
-    """What each mHC kind adds to the plain residual's step per site (its figure less the residual's, over the
-    layers): launched ms, GPU ms, kernels, and graph ms where both graphs were timed."""
+    """What each mHC kind adds to its plain residual's step (plain_of) per site (its figure less the plain
+    one's, over the layers): launched ms, GPU ms, kernels, and graph ms where both graphs were timed."""
     per_site = {}
     for kind in out["launched_ms"]:
-        if kind == "residual" or "residual" not in out["launched_ms"]:
+        plain = plain_of(kind, out["launched_ms"])
+        if kind.startswith("residual") or plain not in out["launched_ms"]:
             continue
-        row = {key: (out[figure][kind] - out[figure]["residual"]) / layers for key, figure in (
+        row = {key: (out[figure][kind] - out[figure][plain]) / layers for key, figure in (
             ("launched_ms", "launched_ms"), ("gpu_ms", "gpu_ms"), ("kernels", "kernels_per_step"))}
-        if kind in out["graph_ms"] and "residual" in out["graph_ms"]:
-            row["graph_ms"] = (out["graph_ms"][kind] - out["graph_ms"]["residual"]) / layers
+        if kind in out["graph_ms"] and plain in out["graph_ms"]:
+            row["graph_ms"] = (out["graph_ms"][kind] - out["graph_ms"][plain]) / layers
         per_site[kind] = row
     return per_site
 
@@ -275,13 +331,18 @@ def _log_table(out: dict, log) -> None:
         launched = out["over_residual"]["launched"].get(kind)
         graph = out["over_residual"]["graph"].get(kind)
         graph_ms = out["graph_ms"].get(kind)
-        log(f"    {kind:16s} {ms:8.2f} ms" + (f" ({launched['median']:.2f}x)" if launched else " " * 8)
+        log(f"    {kind:28s} {ms:8.2f} ms" + (f" ({launched['median']:.2f}x)" if launched else " " * 8)
             + f" | {out['gpu_ms'][kind]:8.2f} ms | {out['kernels_per_step'][kind]:6.0f} | "
             + (f"{graph_ms:8.2f} ms" if graph_ms is not None else "       -")
             + (f" ({graph['median']:.2f}x)" if graph else ""))
     for kind, row in out["per_site_over_residual"].items():
-        log(f"    {kind:16s} per site over the residual: {row['launched_ms']:+.3f} ms launched, "
+        log(f"    {kind:28s} per site over the residual: {row['launched_ms']:+.3f} ms launched, "
             f"{row['gpu_ms']:+.3f} ms GPU, {row['kernels']:+.1f} kernels")
+    if "dynamo" in out:
+        d = out["dynamo"]
+        log(f"    torch.compile: {d['unique_graphs']} graphs, {d['graph_breaks']} graph breaks, {d['recompiles']} "
+            f"recompiles; first steps " + ", ".join(f"{k} {v:.1f} s" for k, v in out["first_step_s"].items()
+                                                    if compile_mode(k)[1]))
     host = out.get("host")
     if host:
         log(f"    {PROFILED} host: forward {host['forward_ms']:.2f} ms, backward {host['backward_ms']:.2f} ms per "

@@ -39,7 +39,7 @@ from mhc_lab.bench.host import bench_host
 from mhc_lab.bench.kernels import bench_block_kernels
 from mhc_lab.bench.portable import bench_portable
 from mhc_lab.bench.site import bench_site
-from mhc_lab.bench.stack import LAUNCHED_TIMER, LOSS, STACK_KINDS, STACK_SHAPES, bench_stack
+from mhc_lab.bench.stack import ALL_KINDS, LAUNCHED_TIMER, LOSS, STACK_KINDS, STACK_SHAPES, bench_stack
 
 RECORDING = "training_h200"
 PARTS = ("site", "block", "block_kernels", "host", "portable", "stack")
@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stack-rounds", type=int, default=3, help="part 'stack': interleaved rounds of the "
                         "stacks, launched and as CUDA graphs")
     parser.add_argument("--stack-kinds", default=",".join(STACK_KINDS), help="part 'stack': the kinds, "
-                        "comma-separated, the plain residual among them (--skip tilekernels leaves TileKernels out)")
+                        "comma-separated, the plain residual among them (--skip tilekernels leaves TileKernels out); "
+                        "add <kind>_compiled or <kind>_reduce_overhead for the step under torch.compile")
     parser.add_argument("--name", default=RECORDING, help="recording name (mhc_lab/recorded/NAME.json)")
     parser.add_argument("--out", "--out-dir", dest="out_dir", default=None, help="write the JSON here instead")
     parser.add_argument("--no-save", action="store_true", help="print only")
@@ -88,8 +89,8 @@ def _check(parser, args) -> list[str]:
     except ValueError as e:
         parser.error(f"--stack-shapes: {e}")
     kinds = [k for k in args.stack_kinds.split(",") if k]
-    if "residual" not in kinds or set(kinds) - set(STACK_KINDS):
-        parser.error(f"--stack-kinds: expected kinds among {', '.join(STACK_KINDS)}, the plain residual among them, "
+    if "residual" not in kinds or set(kinds) - set(ALL_KINDS):
+        parser.error(f"--stack-kinds: expected kinds among {', '.join(ALL_KINDS)}, the plain residual among them, "
                      f"got {args.stack_kinds!r}")
     return [p for p in PARTS if p in parts]
 

@@ -1,12 +1,16 @@
 """Lab 08 (where a training step's time goes): the H200 case study, read from the recordings that
 ``python -m mhc_lab.bench training`` and ``python -m mhc_lab.bench forward`` write (mhc_lab/recorded/
-training_h200.json and forward_h200.json), and, on a CUDA GPU, the two clocks of a plain block measured live.
+training_h200.json and forward_h200.json), and, on a CUDA GPU, the two clocks of a plain block and of a small
+stack of layers measured live (on the CPU, where a tiny stack's host time goes).
 
     load_recorded()                                    both recordings, {"training": ..., "forward": ...}
     copy_floor_overhead(read_C, written_C, ...)        exercise 8.1: the copy floor's extra time and overhead
     host_share(launched_ms, graph_ms)                  exercise 8.2: the host's share of a launched step
     instruction_bound(alone_ms, block_ms, threshold)   exercise 8.3: slowed beside the layers' GEMMs or not
-    floor_table, site_clocks_table, step_profile_table, power_cap_table, bytes_table    the lab's tables
+    host_per_site(launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers)
+                                                       exercise 8.4: what the host adds per site, host-bound or not
+    floor_table, site_clocks_table, step_profile_table, stack_table, stack_host_table, power_cap_table,
+    bytes_table                                        the lab's tables
 
 Every figure a table shows is read from the recording it is given (or from a live measurement); the tables
 label nothing themselves: the lab prints each section's recording_label beside it.
@@ -20,6 +24,7 @@ import torch
 
 from mhc_lab.bench.common import N
 from mhc_lab.bench.copy_floor import copy_floor_counts, copy_floor_plan
+from mhc_lab.bench.stack import PROFILED, STACK_KINDS, plain_of
 from mhc_lab.course.training_recorded import (
     BLOCK_IMPLEMENTATIONS, CHAINED_KERNEL_ELEMENTS, SITE_IMPLEMENTATIONS, kernel_label,
 )
@@ -113,6 +118,15 @@ def instruction_bound(alone_ms: torch.Tensor, block_ms: torch.Tensor, threshold:
     """Exercise 8.3. True where a kernel runs slower in the block than with identity layers by more than
     ``threshold`` (a fraction: 0.03 is 3%): block_ms / alone_ms - 1 > threshold."""
     return block_ms / alone_ms - 1 > threshold
+
+
+def host_per_site(launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers):
+    """Exercise 8.4. What each of a stack's ``layers`` mHC sites adds to its launched step beyond its kernels' GPU
+    time, in ms: the launched step's growth over the plain residual's, less its GPU time's growth, over the sites
+    (negative where the sites' kernels ran in time the plain step's GPU spent waiting); and whether the launched
+    step is host-bound: its GPU waits for the host (launched - GPU time) for more than half of it."""
+    host_ms = ((launched_ms - plain_launched_ms) - (gpu_ms - plain_gpu_ms)) / layers
+    return host_ms, launched_ms - gpu_ms > launched_ms / 2
 
 
 # ---- section 1: the copy floor of a block ----------------------------------------------------------------------
@@ -289,6 +303,279 @@ def clocks_reading(block: dict | None) -> str:
             out.append(f"C = {r['C']}, {BLOCK_IMPLEMENTATIONS[kind]}: launched {lo['median']:+.1f}%, as a graph "
                        f"{go['median']:+.1f}%: {abs(gap):.1f} points {verdict}")
     return "\n".join(out)
+
+
+# ---- section 2, a training loop: a stack of layers on two clocks ----------------------------------------------
+
+# The stack's kinds (mhc_lab.bench.stack.STACK_KINDS) by name; a kind "<known>_<variant>" takes the known kind's
+# label and the variant's, any other kind its own name.
+STACK_LABELS = {"residual": "plain residual", "mhc_kernels": "mHC, fused kernels",
+                "mhc_reference": "mHC, reference (PyTorch)", "mhc_tilekernels": "mHC, TileKernels"}
+STACK_VARIANTS = {"compiled": "compiled", "reduce_overhead": "compiled, reduce-overhead",
+                  "recompute": "recompute"}
+HOST_TOP = 8  # host functions listed per profile
+
+
+def stack_label(kind: str) -> str:
+    """A stack kind's name for the tables: STACK_LABELS, "<known>_<variant>" as both, else the kind itself."""
+    if kind in STACK_LABELS:
+        return STACK_LABELS[kind]
+    for variant, label in STACK_VARIANTS.items():
+        base = kind.removesuffix("_" + variant)
+        if base != kind and base in STACK_LABELS:
+            return f"{STACK_LABELS[base]}, {label}"
+    return kind
+
+
+def stack_kinds(shape: dict) -> list[str]:
+    """The kinds one shape of a stack section measured: those of STACK_KINDS in its order, then any other in the
+    recording's order."""
+    seen = list(dict.fromkeys([*(shape.get("launched_ms") or {}), *(shape.get("gpu_ms") or {}),
+                               *(shape.get("graph_ms") or {})]))
+    return [k for k in STACK_KINDS if k in seen] + [k for k in seen if k not in STACK_KINDS]
+
+
+def _ratio(shape: dict, mode: str, figure: str, kind: str) -> float | None:
+    """A kind's figure over the plain residual's: the section's own ratio (the median of the rounds' ratios for
+    the launched and graph times) where it has one, else the quotient of the two figures (a live measurement)."""
+    recorded = ((shape.get("over_residual") or {}).get(mode) or {}).get(kind)
+    if recorded is not None:
+        return recorded["median"] if isinstance(recorded, dict) else recorded
+    measured = shape.get(figure) or {}
+    ours, plain = measured.get(kind), measured.get(plain_of(kind, measured))
+    return ours / plain if ours is not None and plain else None
+
+
+def stack_rows(stack: dict | None) -> list[dict]:
+    """Per shape of a stack section and kind: launched, GPU and graph ms per step with their ratios to the plain
+    residual, kernels per step; for the mHC kinds what each site adds (GPU ms, kernels) and exercise 8.4's host
+    ms per site; and 8.4's verdict on the launched step (None where a figure is missing)."""
+    rows = []
+    for shape in (stack or {}).get("shapes") or []:
+        launched, gpu = shape.get("launched_ms") or {}, shape.get("gpu_ms") or {}
+        kernels, graph = shape.get("kernels_per_step") or {}, shape.get("graph_ms") or {}
+        layers = shape.get("layers")
+        for kind in stack_kinds(shape):
+            row = {"tokens": shape["tokens"], "C": shape["C"], "n": shape.get("n"), "layers": layers, "kind": kind,
+                   "label": stack_label(kind), "launched_ms": launched.get(kind), "gpu_ms": gpu.get(kind),
+                   "kernels": kernels.get(kind), "graph_ms": graph.get(kind), "launched_ratio": None,
+                   "gpu_ratio": None, "graph_ratio": None, "site_gpu_ms": None, "site_kernels": None,
+                   "host_ms": None, "host_bound": None}
+            plain, is_plain = plain_of(kind, launched), kind.startswith("residual")  # the plain step run alike
+            if not is_plain:
+                row["launched_ratio"] = _ratio(shape, "launched", "launched_ms", kind)
+                row["gpu_ratio"] = _ratio(shape, "gpu", "gpu_ms", kind)
+                row["graph_ratio"] = _ratio(shape, "graph", "graph_ms", kind)
+            if launched.get(kind) is not None and gpu.get(kind) is not None:
+                base = plain if plain in launched and plain in gpu else kind
+                host_ms, row["host_bound"] = host_per_site(launched[kind], gpu[kind], launched[base], gpu[base],
+                                                           layers or 1)
+                if not is_plain and base == plain and layers:
+                    row["host_ms"], row["site_gpu_ms"] = host_ms, (gpu[kind] - gpu[plain]) / layers
+            if not is_plain and layers and kind in kernels and plain in kernels:
+                row["site_kernels"] = (kernels[kind] - kernels[plain]) / layers
+            rows.append(row)
+    return rows
+
+
+def _cell(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def stack_table(stack: dict | None) -> str:
+    """Table: a stack of pre-norm MLP layers trained one step at a time, per shape and kind: the step launched
+    from Python (ms, and over the plain residual's), its kernels' GPU time (ms, and over the plain residual's)
+    and count, the step as a CUDA graph (ms, and over the plain residual's), and whether the launched step is
+    host-bound; then per mHC site, what it adds to the plain step's GPU time, kernels and host time (exercise
+    8.4)."""
+    rows = stack_rows(stack)
+    if not rows:
+        return "(no stack measurements)"
+    lines = []
+
+    def step_line(r):
+        lines.append(f"  {r['label'][:46]:<46}{_cell(r['launched_ms'], '.2f', ' ms'):>11}"
+                     f"{_cell(r['launched_ratio'], '.2f', 'x'):>8}{_cell(r['gpu_ms'], '.2f', ' ms'):>11}"
+                     f"{_cell(r['gpu_ratio'], '.2f', 'x'):>8}{_cell(r['kernels'], '.0f'):>9}"
+                     f"{_cell(r['graph_ms'], '.2f', ' ms'):>11}{_cell(r['graph_ratio'], '.2f', 'x'):>8}   "
+                     + ("-" if r["host_bound"] is None else "host-bound" if r["host_bound"] else "GPU-bound"))
+
+    shapes = list(dict.fromkeys((r["tokens"], r["C"]) for r in rows))
+    for k, (tokens, C) in enumerate(shapes):
+        mine = [r for r in rows if (r["tokens"], r["C"]) == (tokens, C)]
+        lanes = f", n = {mine[0]['n']} lanes" if mine[0]["n"] else ""
+        if k:
+            lines.append("")
+        lines.append(f"{tokens} tokens x C = {C}, {mine[0]['layers']} layers{lanes}: one training step")
+        lines.append(f"  {'':<46}{'launched':>19}{'GPU time':>19}{'kernels':>9}{'as a graph':>19}   launched step")
+        for r in mine:
+            step_line(r)
+        sites = [r for r in mine if r["site_gpu_ms"] is not None or r["host_ms"] is not None]
+        if sites:
+            lines.append(f"  {'per site, over the plain residual':<46}{'GPU time':>18}{'kernels':>9}{'host':>11}")
+            for r in sites:
+                lines.append(f"  {r['label'][:46]:<46}{_cell(r['site_gpu_ms'], '+.3f', ' ms'):>18}"
+                             f"{_cell(r['site_kernels'], '+.1f'):>9}{_cell(r['host_ms'], '+.3f', ' ms'):>11}")
+    for shape in (stack or {}).get("shapes") or []:
+        dynamo = shape.get("dynamo")
+        if dynamo:
+            lines.append(f"  torch.compile at {shape['tokens']} x {shape['C']}: {dynamo['unique_graphs']} graphs for "
+                         f"the compiled rows, {dynamo['graph_breaks']} graph breaks, {dynamo['recompiles']} "
+                         "recompilations")
+        for kind, text in (shape.get("errors") or {}).items():
+            lines.append(f"  failed at {shape['tokens']} x {shape['C']}: {kind}: {text[:90]}")
+    lines.append("(x: over the plain residual's figure, the plain residual compiled alike where it was measured;\n"
+                 " compiled: torch.compile, reduce-overhead: its mode that replays CUDA graphs; host-bound: the GPU\n"
+                 " waits for the host for more than half of the launched step; host: the launched time a site adds\n"
+                 " beyond its kernels' GPU time)")
+    return "\n".join(lines)
+
+
+def stack_reading(stack: dict | None) -> str:
+    """A line per shape and mHC kind: its GPU work and kernels per site, the host time per site beyond them, and
+    what the launched step is bound by."""
+    out = []
+    for r in stack_rows(stack):
+        if r["host_ms"] is None or r["site_gpu_ms"] is None:
+            continue
+        kernels = f", {r['site_kernels']:.1f} kernels" if r["site_kernels"] is not None else ""
+        times = f" ({r['host_ms'] / r['site_gpu_ms']:.0f} times its GPU work)" if r["site_gpu_ms"] > 0 \
+            and r["host_ms"] > r["site_gpu_ms"] else ""
+        out.append(f"{r['tokens']} x {r['C']}, {r['label']}: a site is {r['site_gpu_ms']:.3f} ms of GPU work"
+                   f"{kernels}; the host adds {r['host_ms']:+.3f} ms per site{times}; the launched step is "
+                   + ("host-bound" if r["host_bound"] else "GPU-bound"))
+    return "\n".join(out)
+
+
+def host_functions_table(rows: list[dict], key: str = "us", top: int = HOST_TOP) -> str:
+    """The ``top`` host functions of a profile by ``key`` ("us": own time; "cumulative_us": with what they call),
+    per step: time, calls, where."""
+    if not rows:
+        return "  (no host profile)"
+    title = "own time" if key == "us" else "cumulative"
+    lines = [f"  {title:>10}{'calls':>8}  function"]
+    for row in sorted(rows, key=lambda r: -r[key])[:top]:
+        lines.append(f"  {row[key] / 1e3:>7.2f} ms{row['calls']:>8.1f}  {row['function']}")
+    return "\n".join(lines)
+
+
+def stack_host_table(stack: dict | None, key: str = "us", top: int = HOST_TOP) -> str:
+    """Per shape with a host profile (the launched step of the kind the benchmark profiles, PROFILED): the host's
+    wall time per step in the forward (with the loss) and the backward, and its ``top`` functions by ``key`` per
+    step."""
+    lines = []
+    for shape in (stack or {}).get("shapes") or []:
+        host = shape.get("host")
+        if not host:
+            continue
+        rows = host.get("by_own_time" if key == "us" else "by_cumulative_time") or []
+        lines.append(f"{shape['tokens']} x {shape['C']}, {stack_label(PROFILED)}: the host's time per launched "
+                     f"step: forward and loss {host['forward_ms']:.2f} ms, backward {host['backward_ms']:.2f} ms; "
+                     f"Python's functions, per step:")
+        lines.append(host_functions_table(rows, key, top))
+    return "\n".join(lines) or "(no host profile recorded)"
+
+
+# ---- section 2, live: the stack on this machine --------------------------------------------------------------
+
+
+def measure_stack_live(shapes, *, kinds=("residual", "mhc_kernels"), layers: int = 8, steps: int = 20,
+                       log=print) -> dict:
+    """On a CUDA GPU, the stack of mhc_lab.bench.stack at each (tokens, C) of ``shapes``, each of ``kinds``
+    trained one step at a time: launched (wall clock per step over ``steps`` steps, the GPU synchronised at both
+    ends), its kernels' GPU time and count per step (torch.profiler), and its CUDA graph replayed (wall clock per
+    replay, the GPU's time alone). {"device", "stack": {"shapes": [...]}}, each shape as a recording's; a kind that
+    fails is listed in its shape's "errors"."""
+    from mhc_lab.bench.common import N, graph_replay
+    from mhc_lab.bench.host import wall_ms
+    from mhc_lab.bench.kernels import kernel_times, kernel_totals
+    from mhc_lab.bench.stack import stack_step
+
+    out = []
+    for tokens, C in shapes:
+        shape = {"tokens": tokens, "C": C, "n": N, "layers": layers, "hidden": 4 * C, "launched_ms": {},
+                 "gpu_ms": {}, "kernels_per_step": {}, "graph_ms": {}, "errors": {}}
+        for kind in kinds:
+            try:
+                step = stack_step(C, tokens, kind, layers=layers)
+                step()  # the first step builds the kernels
+                torch.cuda.synchronize()
+                shape["launched_ms"][kind] = wall_ms(step, steps)
+                shape["gpu_ms"][kind], shape["kernels_per_step"][kind] = kernel_totals(kernel_times(step))
+                shape["graph_ms"][kind] = wall_ms(graph_replay(step), steps)
+            except Exception as e:  # noqa: BLE001 - shown in the table, the other kinds still measured
+                shape["errors"][kind] = f"{type(e).__name__}: {e}"
+            log(f"  stack {tokens} x {C}, {stack_label(kind)}: measured")
+            step = None
+            torch.cuda.empty_cache()
+        out.append(shape)
+    return {"device": torch.cuda.get_device_name(), "stack": {"shapes": out}}
+
+
+def _where(key) -> str:
+    """cProfile's (file, line, function) as a short place: the path from site-packages or mhc_lab on."""
+    path, line, name = key
+    if path == "~":
+        return name
+    path = path.split("site-packages/")[-1]
+    if "/mhc_lab/" in path:
+        path = "mhc_lab/" + path.split("/mhc_lab/")[-1]
+    return f"{path}:{line}({name})"
+
+
+def profile_host_cpu(*, width: int = 64, tokens: int = 32, layers: int = 8, steps: int = 3) -> dict:
+    """On the CPU, the stack of mhc_lab.bench.stack, tiny (``tokens`` x ``width``, bf16), plain and as
+    MHCResidualStream with the reference backend, trained one step at a time: ms per step of each (wall clock
+    over ``steps`` steps), and cProfile over ``steps`` steps of the mHC stack: per step, each Python function's
+    own and cumulative time and calls. Here the host does all the work, so the profile is the whole step."""
+    import cProfile
+    import pstats
+    import time
+
+    from mhc_lab.bench.stack import Stack
+
+    out = {"tokens": tokens, "C": width, "layers": layers, "steps": steps, "ms": {}}
+    for kind in ("residual", "mhc_reference"):
+        torch.manual_seed(0)
+        stack = Stack(width, layers, kind)
+        h = torch.randn(1, tokens, width, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(1, tokens, width, dtype=torch.bfloat16)
+
+        def step():
+            h.grad = None
+            stack.zero_grad(set_to_none=True)
+            (stack(h) * w).sum().backward()
+
+        step()  # warm-up
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        out["ms"][kind] = (time.perf_counter() - start) / steps * 1e3
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    out["functions"] = [{"us": v[2] / steps * 1e6, "cumulative_us": v[3] / steps * 1e6, "calls": v[1] / steps,
+                         "function": _where(k)} for k, v in stats.items() if k[0] != __file__]  # step() is ours
+    return out
+
+
+def cpu_host_table(profile: dict, top: int = HOST_TOP) -> str:
+    """profile_host_cpu's result: the two stacks' ms per step, then the mHC stack's functions per step by
+    cumulative time (with what they call) and by own time."""
+    ms = profile["ms"]
+    per_site = (ms["mhc_reference"] - ms["residual"]) / profile["layers"]
+    label = stack_label("mhc_reference")
+    return "\n".join([
+        f"{profile['tokens']} tokens x C = {profile['C']}, {profile['layers']} layers, on the CPU: "
+        f"{stack_label('residual')} {ms['residual']:.1f} ms per step, {label} {ms['mhc_reference']:.1f} ms: "
+        f"{per_site:+.2f} ms per site",
+        f"{label}: Python's functions per step, by cumulative time (with what they call):",
+        host_functions_table(profile["functions"], "cumulative_us", top),
+        "and by own time:",
+        host_functions_table(profile["functions"], "us", top)])
 
 
 # ---- section 3: the power cap ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ Which programs a target takes: the Hopper programs (TMA, wgmma) on sm_90 (is_hop
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import threading
@@ -52,6 +53,23 @@ def canonical_target(target: str) -> str:
     raise ValueError(f"target: expected 'c', 'cpu', 'cuda' or 'sm_XY', got {target!r}")
 
 
+def memoize(fn):
+    """functools.lru_cache for the host-side decisions that torch.compile traces as well (which backend, which
+    program, which target): a plain dict, which Dynamo reads through, where every lru_cache it traces draws a
+    warning (it ignores the cache and traces the function). Positional, hashable arguments only."""
+    cache = {}
+
+    @functools.wraps(fn)
+    def memoized(*args):
+        value = cache.get(args)
+        if value is None:
+            value = cache[args] = fn(*args)
+        return value
+
+    return memoized
+
+
+@memoize
 def device_target(capability: tuple[int, int]) -> str:
     """The canonical target of a GPU of this compute capability: (8, 6) -> 'sm_86', (9, 0) -> 'sm_90a'."""
     major, minor = capability
@@ -61,11 +79,17 @@ def device_target(capability: tuple[int, int]) -> str:
 def tensor_target(tensor) -> str:
     """The canonical target of the GPU a CUDA tensor is on (whatever the current device); where torch sees no
     GPU (tensors that stand in for CUDA ones), the default build, as canonical_target('cuda')."""
+    return _index_target(tensor.device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _index_target(index: int | None) -> str:
+    # cached per device: asking torch took 8 us of host time, on every launch of the ops
     import torch
 
     if not torch.cuda.is_available():
         return canonical_target("cuda")
-    return device_target(torch.cuda.get_device_capability(tensor.device))
+    return device_target(torch.cuda.get_device_capability(index))
 
 
 def arch_number(target: str) -> int:
@@ -213,9 +237,26 @@ def compile_program(program, target: str, pass_configs: dict | None = None):
     was_disabled, cache_log.disabled = cache_log.disabled, True
     try:
         with code_generation():
-            return tilelang.compile(program, target=tilelang_target(t), pass_configs=pass_configs or None, **extra)
+            kernel = tilelang.compile(program, target=tilelang_target(t), pass_configs=pass_configs or None, **extra)
     finally:
         cache_log.disabled = was_disabled
+    _launch_directly(kernel)
+    return kernel
+
+
+def _launch_directly(kernel) -> None:
+    """Route a compiled kernel's calls straight to its entry function where TileLang runs it through TVM FFI
+    with every argument passed in (no output allocated by the call): TileLang's adapter (its argument loop in
+    Python), the executable's JIT check and the entry function's lookup took about 7 us of host time per
+    launch, on the critical path of a small model's step. The entry function keeps the checks compiled into
+    the kernel's host code (each tensor's dtype, shape, device). Other adapters (the C target's) unchanged."""
+    adapter = getattr(kernel, "adapter", None)
+    if (type(adapter).__name__ != "TVMFFIKernelAdapter" or adapter.result_idx
+            or getattr(adapter, "_ffi_callee_allocated_output_abi", False)):
+        return
+    executable = adapter._get_executable()  # a TVM FFI module, or an Executable to JIT into one
+    module = executable.jit() if getattr(type(executable), "jit", None) else executable
+    kernel.torch_function = module.main
 
 
 def check_lanes_and_width(name: str, n, C, max_lanes: int) -> None:

@@ -415,10 +415,16 @@ TRAINING_PORTABLE = _section("One site with the Hopper programs and with the por
     })),
 })
 STACK_KINDS = ("residual", "mhc_kernels", "mhc_reference", "mhc_tilekernels")
-STACK_MHC_KINDS = STACK_KINDS[1:]
+# the first three under torch.compile: "<kind>_compiled" (default mode), "<kind>_reduce_overhead"
+STACK_COMPILE_MODES = {"compiled": "default", "reduce_overhead": "reduce-overhead"}
+STACK_COMPILED_KINDS = tuple(f"{kind}_{suffix}" for kind in STACK_KINDS[:3] for suffix in STACK_COMPILE_MODES)
+STACK_ALL_KINDS = STACK_KINDS + STACK_COMPILED_KINDS
+STACK_MHC_KINDS = tuple(k for k in STACK_ALL_KINDS if not k.startswith("residual"))
 _STACK_KINDS_DOC = ("residual (the plain residual), mhc_kernels (MHCResidualStream, the fused kernels), "
                     "mhc_reference (MHCResidualStream, the reference backend), mhc_tilekernels (DeepSeek's "
-                    "TileKernels mhc_pre and mhc_post around the same layers with the same parameters)")
+                    "TileKernels mhc_pre and mhc_post around the same layers with the same parameters); "
+                    "<kind>_compiled and <kind>_reduce_overhead: the first three under torch.compile, in the default "
+                    "mode and in mode 'reduce-overhead' (no CUDA graph of ours is taken of those)")
 HOST_FUNCTION = obj("One Python function (cProfile).", required={
     "us": number("Own microseconds per step (in the function itself, not in what it calls)."),
     "cumulative_us": number("Microseconds per step in the function and what it calls."),
@@ -440,27 +446,28 @@ TRAINING_STACK = _section(
             "n": integer("Lanes of the mHC kinds."), "layers": integer("Sub-layers (mHC sites) in the stack."),
             "hidden": integer("Width of the MLP's hidden layer (4C)."),
             "steps_per_timing": table("Steps in each launched timing of a kind: about 300 ms of steps, 5 to 200.",
-                                      integer("Steps."), STACK_KINDS),
+                                      integer("Steps."), STACK_ALL_KINDS),
             "launched_ms": table(f"Median over the rounds of the step launched op by op from Python, ms, per kind: "
-                                 f"{_STACK_KINDS_DOC}.", MS, STACK_KINDS),
+                                 f"{_STACK_KINDS_DOC}.", MS, STACK_ALL_KINDS),
             "launched_rounds_ms": table("The launched step in interleaved rounds, every kind once per round.",
-                                        array("One time per round.", MS), STACK_KINDS),
+                                        array("One time per round.", MS), STACK_ALL_KINDS),
             "gpu_ms": table("GPU time of the step's kernels per step (torch.profiler, the sum of their durations).",
-                            MS, STACK_KINDS),
+                            MS, STACK_ALL_KINDS),
             "kernels_per_step": table("Kernels (and copies) per step in the profiler.", number("Kernels."),
-                                      STACK_KINDS),
+                                      STACK_ALL_KINDS),
             "kernels": table("Per kind, its kernels by name (the first 160 characters).",
                              table("Per kernel name.", obj("One kernel.", required={
                                  "ms": number("GPU ms per step."), "launches": number("Launches per step.")})),
-                             STACK_KINDS),
+                             STACK_ALL_KINDS),
             "graph_ms": table("Median over the rounds of the step captured once as a CUDA graph and replayed: the "
-                              "GPU's time alone, ms.", MS, STACK_KINDS),
+                              "GPU's time alone, ms.", MS, STACK_ALL_KINDS),
             "graph_rounds_ms": table("The replays in interleaved rounds, every kind once per round.",
-                                     array("One time per round.", MS), STACK_KINDS),
+                                     array("One time per round.", MS), STACK_ALL_KINDS),
             "graph_rel_diff": table("After the replays' timing, the replay's input gradient against the launched "
                                     "step's (relative); a graph above 1e-2 is refused.",
-                                    number("Relative difference."), STACK_KINDS),
-            "over_residual": obj("Each mHC kind's figures over the plain residual's.", required={
+                                    number("Relative difference."), STACK_ALL_KINDS),
+            "over_residual": obj("Each mHC kind's figures over its plain residual's (the plain residual compiled "
+                                 "the same way where it was measured, else the eager one).", required={
                 "launched": table("Launched step, ratio per round.", RATIOS, STACK_MHC_KINDS),
                 "graph": table("CUDA graph, ratio per round.", RATIOS, STACK_MHC_KINDS),
                 "gpu": table("GPU time of the kernels, ratio.", number("Ratio."), STACK_MHC_KINDS),
@@ -476,6 +483,12 @@ TRAINING_STACK = _section(
             "errors": table("Why a kind, its graph or its host profile has no figures (key: the kind, or it and "
                             "'.graph' or '.host').", text("The reason.")),
         }, optional={
+            "first_step_s": table("Each kind's first step, s: the kernels' build where not cached, and a compiled "
+                                  "kind's compilation.", number("Seconds."), STACK_ALL_KINDS),
+            "dynamo": obj("torch.compile's counters over the compiled kinds of this shape.", required={
+                "graph_breaks": integer("Graph breaks."), "recompiles": integer("Recompilations."),
+                "unique_graphs": integer("Graphs compiled (one per compiled kind when nothing breaks)."),
+            }),
             "host": obj("Where the fused stream's (mhc_kernels) host time goes, over steps_per_timing steps. "
                         "cProfile follows the autograd engine's device thread, where the backward's Python runs, "
                         "on Python 3.12 and later; on earlier Pythons that time is run_backward's own.", required={

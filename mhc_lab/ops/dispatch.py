@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from mhc_lab.kernels._target import memoize
 from mhc_lab.ops.forward import _describe
 from mhc_lab.reference.mhc import mixes_width
 from mhc_lab.reference.validate import InputError, require_lanes, require_lanes_not_transposed, require_tensor
@@ -154,8 +155,10 @@ def post_gradient_to_pre_for(x: torch.Tensor, backend: str) -> bool:
     return backend == "kernels" and x.device.type == "cuda" and consumer_groups_for(x.shape[1]) == 2
 
 
+@functools.lru_cache(maxsize=None)
 def lane_splits(n: int, C: int, device: torch.device, add_dx: bool, post_grad: bool) -> int:
-    """Token splits of the pre backward's kernel 2 on CUDA: its CTAs in waves that fill the GPU's SMs."""
+    """Token splits of the pre backward's kernel 2 on CUDA: its CTAs in waves that fill the GPU's SMs (read once
+    per process and arguments: asking the GPU's SM count took 13 us of host time per call)."""
     from mhc_lab.kernels.pre_backward_lanes import lane_splits_for
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -169,18 +172,19 @@ def cuda_device_facts(device: torch.device) -> tuple[str, tuple[int, int], int]:
     """(name, compute capability, shared memory a block may use) of a CUDA device, read once per process. Where
     torch sees no CUDA GPU (lanes that only stand for CUDA tensors, to plan without one), those of the default
     build, sm_90, as canonical_target('cuda') takes it."""
-    if not torch.cuda.is_available():
-        from mhc_lab.kernels.portability import shared_bytes_per_block
-
-        return "no CUDA GPU seen (the default build, sm_90)", (9, 0), shared_bytes_per_block((9, 0))
     index = torch.device(device).index
-    return _device_facts(torch.cuda.current_device() if index is None else index)
+    if index is None and torch.cuda.is_available():
+        index = torch.cuda.current_device()
+    return _device_facts(index)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_facts(index: int) -> tuple[str, tuple[int, int], int]:
+@memoize
+def _device_facts(index: int | None) -> tuple[str, tuple[int, int], int]:
+    # cached: the ops ask on every call, and torch.cuda.is_available() alone took 10 us of host time
     from mhc_lab.kernels.portability import shared_bytes_per_block
 
+    if not torch.cuda.is_available():
+        return "no CUDA GPU seen (the default build, sm_90)", (9, 0), shared_bytes_per_block((9, 0))
     props = torch.cuda.get_device_properties(index)
     capability = (props.major, props.minor)
     shared = getattr(props, "shared_memory_per_block_optin", 0) or shared_bytes_per_block(capability)
@@ -223,7 +227,7 @@ def kernel_paths(capability: tuple[int, int] | None, n: int = 4, *,
     return dict(_kernel_paths(capability, n, shared_bytes, hopper))
 
 
-@functools.lru_cache(maxsize=None)
+@memoize
 def _kernel_paths(capability, n: int, shared_bytes, hopper: bool) -> dict[str, str]:
     from mhc_lab.kernels.portability import OPS, shared_bytes_per_block, site_shared_bytes
 

@@ -24,7 +24,7 @@ from mhc_lab.ops.dispatch import (
     resolve_backend,
 )
 from mhc_lab.ops.forward import _describe
-from mhc_lab.ops.site_ops import post_forward, post_forward_linked, pre_forward
+from mhc_lab.ops.site_ops import run_post_forward, run_post_forward_linked, run_pre_forward
 from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes
 from mhc_lab.reference.mhc import mhc_identity_init
 from mhc_lab.reference.validate import InputError, require_lanes, require_positive_int, require_tensor
@@ -36,7 +36,7 @@ def mhc_pre(x, phi, bias, alpha, *, backend: str = "auto"):
     n, C = check_site(x, phi, bias, alpha, "mhc_pre")
     chosen = resolve_backend(backend, x)
     batch = tuple(x.shape[:-2])
-    y, post, res, _, _, _ = pre_forward(x.reshape(-1, n, C), phi, bias, alpha, chosen)
+    y, post, res, _, _, _ = run_pre_forward(x.reshape(-1, n, C), phi, bias, alpha, chosen)
     return y.view(*batch, C), post.view(*batch, n), res.view(*batch, n, n)
 
 
@@ -53,7 +53,7 @@ def mhc_post(x, layer_output, post, res, *, backend: str = "auto"):
             raise InputError(f"mhc_post: {name}: expected a floating-point tensor, got {value.dtype} "
                              f"({_describe(value)})")
     chosen = resolve_backend(backend, x)
-    out = post_forward(x.reshape(-1, n, C), layer_output.reshape(-1, C), post.reshape(-1, n),
+    out = run_post_forward(x.reshape(-1, n, C), layer_output.reshape(-1, C), post.reshape(-1, n),
                        res.reshape(-1, n, n), chosen)
     return out.view(*batch, n, C)
 
@@ -78,7 +78,7 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
     chosen = resolve_backend(backend, x)
     batch = tuple(x.shape[:-2])
     lanes = x.reshape(-1, n, C)
-    y, post, res, _, _, link = pre_forward(lanes, phi, bias, alpha, chosen, partial)
+    y, post, res, _, _, link = run_pre_forward(lanes, phi, bias, alpha, chosen, partial)
     f = layer(y.view(*batch, C))
     check_layer_output(x, f, "mhc_site")
     if next_phi is not None:
@@ -91,7 +91,7 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
                              f"({_describe(next_phi)})")
         if not fused_projection_applies(chosen, x):
             next_phi = None
-    out, partial_next = post_forward_linked(lanes, link, f.reshape(-1, C), post, res, chosen, next_phi)
+    out, partial_next = run_post_forward_linked(lanes, link, f.reshape(-1, C), post, res, chosen, next_phi)
     return out.view(*batch, n, C), (partial_next if next_phi is not None else None)
 
 

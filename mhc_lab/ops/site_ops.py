@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from mhc_lab.ops.dispatch import cuda_programs, lane_splits, partial_splits, post_gradient_to_pre_for
-from mhc_lab.ops.forward import _DTYPE_NAMES, _describe
+from mhc_lab.ops.forward import _DTYPE_NAMES, _describe, cuda_guard
 from mhc_lab.reference.backward import post_backward as reference_post_backward
 from mhc_lab.reference.backward import pre_backward as reference_pre_backward
 from mhc_lab.reference.mhc import mhc_coefficients, mixes_width
@@ -56,9 +56,8 @@ def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat @ phi.to(cd).t(), flat.pow(2).sum(-1, keepdim=True)], dim=-1).unsqueeze(0)
 
 
-@torch.library.custom_op("mhc_lab::pre_forward", mutates_args=())
 @no_autocast
-def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str,
+def pre_forward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, backend: str,
                 partial_in: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, n, C] -> (y [T, C], post [T, n], res [T, n, n], pre [T, n], partial [S, T, n^2+2n+1], link).
@@ -96,7 +95,7 @@ def pre_forward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
         partial = partial_in.contiguous() if projected else torch.empty(
             (partial_splits(backend, x), tokens, m + 1), dtype=torch.float32, device=x.device)
         if tokens:
-            with torch.cuda.device(x.device):
+            with cuda_guard(x):
                 run_pre_cuda(x.contiguous(), phi32, bias32, alpha32, y, pre, post, res, partial=partial,
                              projected=projected, splits=partial.shape[0])
         return y, post, res, pre, _no_partial(x) if projected else partial, link
@@ -130,6 +129,9 @@ def _check_partial(partial: torch.Tensor, x: torch.Tensor, backend: str, op: str
     if tuple(partial.shape) != shape or partial.dtype != coefficient_dtype(x) or partial.device != x.device:
         raise InputError(f"{op}: partial_in: expected shape {shape}, dtype {coefficient_dtype(x)} on {x.device} "
                          f"(backend {backend!r}), got {_describe(partial)}")
+
+
+pre_forward = torch.library.custom_op("mhc_lab::pre_forward", pre_forward_impl, mutates_args=())
 
 
 @pre_forward.register_fake
@@ -171,7 +173,7 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
         coef = torch.empty((tokens, coef_width(n)), **f32)
         xc, dyc = x.contiguous(), dy.contiguous()
         if tokens:
-            with torch.cuda.device(x.device):
+            with cuda_guard(x):
                 coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit, dmix,
                              extra, dsplit, coef)
         dphi_partial = alloc(dphi_partial_shape(splits, n, C), **f32)
@@ -195,9 +197,8 @@ def _parameter_grads(dphi_partial, dlogit, extra, n: int, phi, bias, alpha) -> t
     return dphi.to(phi.dtype), dlogit.sum(0).to(bias.dtype), extra.sum(0)[:3].to(alpha.dtype)
 
 
-@torch.library.custom_op("mhc_lab::pre_backward", mutates_args=())
 @no_autocast
-def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
+def pre_backward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
                  partial: torch.Tensor, res: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor,
                  dx_post: Optional[torch.Tensor], backend: str, post_grad: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,11 +227,14 @@ def pre_backward(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
         if post_grad:
             more.append(res.float().contiguous())
         out = dx if dx.dtype == work else torch.empty(x.shape, dtype=work, device=x.device)
-        with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+        with cuda_guard(x) if cuda else contextlib.nullcontext():
             lanes(*lead, *more, out, dphi_partial)
         if out is not dx:
             dx.copy_(out)
     return (dx, *_parameter_grads(dphi_partial, dlogit, extra, n, phi, bias, alpha))
+
+
+pre_backward = torch.library.custom_op("mhc_lab::pre_backward", pre_backward_impl, mutates_args=())
 
 
 @pre_backward.register_fake
@@ -241,7 +245,7 @@ def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, backend,
 def _pre_setup_context(ctx, inputs, output):
     x, phi, bias, alpha, backend, partial_in = inputs
     _, _, res, pre, partial, _ = output
-    ctx.backend = backend
+    ctx.as_ops, ctx.backend = True, backend
     ctx.post_grad = post_gradient_to_pre_for(x, backend)  # what a linked post's backward hands back (decided now)
     ctx.save_for_backward(x, phi, bias, alpha, pre, partial if partial_in is None else partial_in, res)
     ctx.mark_non_differentiable(pre, partial)
@@ -263,18 +267,18 @@ def _pre_output_grads(x, pre, dy, dpost, dres) -> tuple:
 def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
     x, phi, bias, alpha, pre, partial, res = ctx.saved_tensors
     dx_post = None if dlink is None else dlink.contiguous()
-    dx, dphi, dbias, dalpha = pre_backward(x, phi, bias, alpha, pre, partial, res,
-                                           *_pre_output_grads(x, pre, dy, dpost, dres), dx_post, ctx.backend,
-                                           ctx.post_grad)
+    backward = pre_backward if ctx.as_ops else pre_backward_impl
+    dx, dphi, dbias, dalpha = backward(x, phi, bias, alpha, pre, partial, res,
+                                       *_pre_output_grads(x, pre, dy, dpost, dres), dx_post, ctx.backend,
+                                       ctx.post_grad)
     return dx, dphi, dbias, dalpha, None, None
 
 
 pre_forward.register_autograd(_pre_backward, setup_context=_pre_setup_context)
 
 
-@torch.library.custom_op("mhc_lab::post_forward", mutates_args=())
 @no_autocast
-def post_forward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, backend: str
+def post_forward_impl(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, backend: str
                  ) -> torch.Tensor:
     """x [T, n, C], f [T, C], post [T, n], res [T, n, n] -> the next lanes [T, n, C]."""
     if backend == "reference":
@@ -284,14 +288,16 @@ def post_forward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torc
     return mhc_post_fused(x.contiguous(), f.contiguous(), post.float().contiguous(), res.float().contiguous())
 
 
+post_forward = torch.library.custom_op("mhc_lab::post_forward", post_forward_impl, mutates_args=())
+
+
 @post_forward.register_fake
 def _(x, f, post, res, backend):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("mhc_lab::post_backward", mutates_args=())
 @no_autocast
-def post_backward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, g: torch.Tensor,
+def post_backward_impl(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: torch.Tensor, g: torch.Tensor,
                   backend: str, lanes_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
     """(dx, df, dpost, dres) of post_forward, given the gradient g of the next lanes; without lanes_grad dx is
@@ -311,7 +317,7 @@ def post_backward(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res: tor
         return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
     if x.device.type == "cuda":
         dtype = _DTYPE_NAMES[x.dtype]
-        with torch.cuda.device(x.device):
+        with cuda_guard(x):
             post_backward_kernel(n, C, dtype, cuda_programs(x)[0], lanes_grad=lanes_grad)(
                 x.contiguous(), f.contiguous(), g.contiguous(), post32, res32, *([dx] if lanes_grad else []), df,
                 dpost, dres)
@@ -332,6 +338,9 @@ def _no_lanes_grad(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((0,))
 
 
+post_backward = torch.library.custom_op("mhc_lab::post_backward", post_backward_impl, mutates_args=())
+
+
 @post_backward.register_fake
 def _(x, f, post, res, g, backend, lanes_grad=True):
     return (torch.empty_like(x) if lanes_grad else _no_lanes_grad(x)), torch.empty_like(f), torch.empty_like(post), \
@@ -340,22 +349,22 @@ def _(x, f, post, res, g, backend, lanes_grad=True):
 
 def _post_setup_context(ctx, inputs, output):
     x, f, post, res, backend = inputs
-    ctx.backend = backend
+    ctx.as_ops, ctx.backend = True, backend
     ctx.save_for_backward(x, f, post, res)
 
 
 def _post_backward(ctx, g):
     x, f, post, res = ctx.saved_tensors
-    dx, df, dpost, dres = post_backward(x, f, post, res, g.contiguous(), ctx.backend)
+    backward = post_backward if ctx.as_ops else post_backward_impl
+    dx, df, dpost, dres = backward(x, f, post, res, g.contiguous(), ctx.backend)
     return dx, df, dpost, dres, None
 
 
 post_forward.register_autograd(_post_backward, setup_context=_post_setup_context)
 
 
-@torch.library.custom_op("mhc_lab::post_forward_linked", mutates_args=())
 @no_autocast
-def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, post: torch.Tensor,
+def post_forward_linked_impl(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, post: torch.Tensor,
                         res: torch.Tensor, backend: str, phi_next: Optional[torch.Tensor] = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the next lanes link + H_post f, partial_next), where link (from pre_forward on the same x) stands for
@@ -368,7 +377,7 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
     partial_in; without phi_next partial_next is empty ([0]). partial_next carries no gradient: the next
     pre's backward differentiates its projection itself."""
     if phi_next is None:
-        return post_forward(x, f, post, res, backend), _no_partial(x)
+        return post_forward_impl(x, f, post, res, backend), _no_partial(x)
     tokens, n, C = x.shape
     if backend == "reference":
         out = reference_post(x, f, post, res).contiguous()
@@ -382,10 +391,10 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
 
         splits = partial_splits(backend, x, chained=True)
         target, hopper = cuda_programs(x)  # the fused kernel is a Hopper program
-        out = torch.empty_like(x) if hopper else post_forward(x, f, post, res, backend)
+        out = torch.empty_like(x) if hopper else post_forward_impl(x, f, post, res, backend)
         partial = torch.empty((splits, tokens, m + 1), dtype=torch.float32, device=x.device)
         if tokens:
-            with torch.cuda.device(x.device):
+            with cuda_guard(x):
                 phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
                 phi_split_kernel(n, C, target)(phi32, phi_hl)
                 if hopper:
@@ -400,7 +409,7 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
         # stream's dtype, so round them first and project them in a pass of their own
         from mhc_lab.kernels.pre import projection_kernel_c
 
-        out = post_forward(x, f, post, res, backend)
+        out = post_forward_impl(x, f, post, res, backend)
         if tokens:
             projection_kernel_c(n, C)(out.float().contiguous(), phi32, partial)
         return out, partial
@@ -409,6 +418,10 @@ def post_forward_linked(x: torch.Tensor, link: torch.Tensor, f: torch.Tensor, po
         post_project_kernel(n, C, "float32", "c")(x.contiguous(), f.float().contiguous(), post32, res32, phi32, out,
                                                   partial)
     return out, partial
+
+
+post_forward_linked = torch.library.custom_op("mhc_lab::post_forward_linked", post_forward_linked_impl,
+                                              mutates_args=())
 
 
 @post_forward_linked.register_fake
@@ -422,19 +435,83 @@ def _(x, link, f, post, res, backend, phi_next=None):
 
 def _post_linked_setup_context(ctx, inputs, output):
     x, _, f, post, res, backend, _ = inputs
-    ctx.backend = backend
+    ctx.as_ops, ctx.backend = True, backend
     ctx.post_grad = post_gradient_to_pre_for(x, backend)  # as the linked pre_forward decided it, in the same forward
     ctx.save_for_backward(x, f, post, res)
     ctx.mark_non_differentiable(output[1])
+    # partial_next's gradient (never used) arrives as None: materialised, it would cost a fill kernel per site
+    ctx.set_materialize_grads(False)
 
 
 def _post_linked_backward(ctx, g, _dpartial):
+    if g is None:  # the next lanes unused
+        return None, None, None, None, None, None, None
     x, f, post, res = ctx.saved_tensors
     g = g.contiguous()
-    dx, df, dpost, dres = post_backward(x, f, post, res, g, ctx.backend, not ctx.post_grad)
+    backward = post_backward if ctx.as_ops else post_backward_impl
+    dx, df, dpost, dres = backward(x, f, post, res, g, ctx.backend, not ctx.post_grad)
     # the lanes' gradient goes back through link: H_res^T g, or g itself for the pre's backward to finish
     return None, g if ctx.post_grad else dx, df, dpost, dres, None, None
 
 
 post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
 
+
+
+# ------------------------------------------------------------------------------------------ the eager path
+#
+# Called eagerly, a custom op costs about 60 us of host time more than an autograd.Function that runs the same
+# implementation (torch.library's dispatch and autograd glue, in Python), and its backward about as much again:
+# on a small model's training step that is more than the site's kernels take on the GPU. So eager calls run the
+# implementations through autograd.Functions (the same setup_context and backward formulas, calling the
+# backward's implementation directly), and only a trace sees the custom ops: torch.compile, torch.export, and
+# any dispatch mode (selective activation checkpointing's, FakeTensorMode), which must see one op per site op.
+
+
+def _eager(name: str, impl, setup_context, backward):
+    # forward takes ctx and calls setup_context itself: an autograd.Function with a setup_context of its own
+    # binds every call's arguments to forward's signature through inspect (about 50 us of host time per call)
+    def forward(ctx, *inputs):
+        output = impl(*inputs)
+        setup_context(ctx, inputs, output)
+        ctx.as_ops = False  # the backward calls the implementations, not the ops
+        return output
+
+    return type(name, (torch.autograd.Function,), {
+        "__doc__": f"The eager path of torch.ops.mhc_lab.{impl.__name__.removesuffix('_impl')}.",
+        "forward": staticmethod(forward),
+        "backward": staticmethod(torch.autograd.function.once_differentiable(backward))})
+
+
+_EagerPre = _eager("_EagerPre", pre_forward_impl, _pre_setup_context, _pre_backward)
+_EagerPost = _eager("_EagerPost", post_forward_impl, _post_setup_context, _post_backward)
+_EagerPostLinked = _eager("_EagerPostLinked", post_forward_linked_impl, _post_linked_setup_context,
+                          _post_linked_backward)
+
+
+def as_ops() -> bool:
+    """Whether the site's ops run as torch.ops.mhc_lab.* custom ops (under torch.compile or torch.export, or a
+    dispatch mode) rather than eagerly. Short-circuits under torch.compile, whose tracer must not see the
+    dispatch stack's query."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def run_pre_forward(x, phi, bias, alpha, backend: str, partial_in=None):
+    """pre_forward, eagerly or as the op (as_ops)."""
+    if as_ops():
+        return pre_forward(x, phi, bias, alpha, backend, partial_in)
+    return _EagerPre.apply(x, phi, bias, alpha, backend, partial_in)
+
+
+def run_post_forward(x, f, post, res, backend: str):
+    """post_forward, eagerly or as the op (as_ops)."""
+    if as_ops():
+        return post_forward(x, f, post, res, backend)
+    return _EagerPost.apply(x, f, post, res, backend)
+
+
+def run_post_forward_linked(x, link, f, post, res, backend: str, phi_next=None):
+    """post_forward_linked, eagerly or as the op (as_ops)."""
+    if as_ops():
+        return post_forward_linked(x, link, f, post, res, backend, phi_next)
+    return _EagerPostLinked.apply(x, link, f, post, res, backend, phi_next)

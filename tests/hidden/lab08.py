@@ -1,12 +1,13 @@
 """Hidden checks for lab 08 (used by `mhc-lab grade`, never shown in a lab): the copy floor for float32 lanes, one
-token and huge blocks; the host's share for 0-d tensors, float32, equal times and a wide batch; the power cap's rule
-for a zero threshold, equal times, 2-D and 0-d tensors."""
+token and huge blocks; the host's share for 0-d tensors, float32, equal times and a wide batch; the host per site for
+integer times, a stack no slower than the plain one, a wait of exactly half the step, microsecond steps; the power
+cap's rule for a zero threshold, equal times, 2-D and 0-d tensors."""
 
 import torch
 
 from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 from mhc_lab.course.checks import CheckFailed, call, randn
-from mhc_lab.course.step_time import copy_floor_overhead, host_share, instruction_bound
+from mhc_lab.course.step_time import copy_floor_overhead, host_per_site, host_share, instruction_bound
 
 
 @hidden("8.1", "float32 lanes, one token, a 7168-wide block, a slow copy")
@@ -51,5 +52,30 @@ def _instruction_bound(answer):
                 or not torch.equal(got, want):
             raise CheckFailed(f"{label}: expected {want.tolist()}, got "
                               f"{got.tolist() if isinstance(got, torch.Tensor) else got!r}")
+        cases.append(label)
+    return cases
+
+
+@hidden("8.4", "integer times, a stack no slower than the plain one, a wait of exactly half, microsecond steps")
+def _host_per_site(answer):
+    cases = []
+    for args, label in [
+            ((31, 6, 10, 4, 4), "integer times: 19 ms of host time over 4 sites"),
+            ((5.0, 2.0, 5.0, 2.0, 8), "the same figures as the plain step: no host time added, host-bound"),
+            ((4.0, 2.0, 3.0, 1.5, 2), "a GPU that waits exactly half of the launched step: not host-bound"),
+            ((7.25, 7.25, 7.0, 7.0, 61), "a launched step equal to its GPU time, 61 sites"),
+            ((0.012, 0.003, 0.008, 0.0025, 1), "microsecond steps, one site")]:
+        got = call(answer, *args, case=label)
+        want_host, want_bound = host_per_site(*args)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CheckFailed(f"{label}: expected a tuple (host_ms, host_bound), got {type(got).__name__}")
+        try:
+            host = float(got[0])
+        except (TypeError, ValueError):
+            raise CheckFailed(f"{label}: expected host_ms to be a number, got {type(got[0]).__name__}") from None
+        if abs(host - want_host) > 1e-12 + 1e-9 * abs(want_host):
+            raise CheckFailed(f"{label}: expected host_ms = {want_host:.6g}, got {host:.6g}")
+        if not isinstance(got[1], bool) and type(got[1]).__name__ != "bool_" or bool(got[1]) != want_bound:
+            raise CheckFailed(f"{label}: expected host_bound = {want_bound}, got {got[1]!r}")
         cases.append(label)
     return cases

@@ -1,6 +1,7 @@
 """Lab 08 exercises: where a training step's time goes. The copy floor's extra time and overhead from bytes and the
-copy bandwidth, the host's share of a launched step from its launched and CUDA-graph times, and which kernels the
-power cap slows (instruction-bound) from their time with identity layers and in the block.
+copy bandwidth, the host's share of a launched step from its launched and CUDA-graph times, what the host adds per
+mHC site of a stack and whether its launched step is host-bound, and which kernels the power cap slows
+(instruction-bound) from their time with identity layers and in the block.
 
 Each check draws seeded random inputs for several block shapes (or tensor shapes) and compares with the reference
 in mhc_lab.course.step_time, computed independently; a wrong answer that matches a usual mistake on every case is
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, register, seeded
-from mhc_lab.course.step_time import copy_floor_overhead, host_share, instruction_bound
+from mhc_lab.course.step_time import copy_floor_overhead, host_per_site, host_share, instruction_bound
 
 
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -288,3 +289,146 @@ def _check_instruction_bound(answer):
         cases.append(case)
     return cases
 
+
+# ---- 8.4 what the host adds per site -------------------------------------------------------------------------
+
+# (launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers, what the case is): each usual mistake gives a
+# wrong answer on at least one of them
+_SITE_CASES = [
+    (27.5, 3.5, 8.0, 2.3, 8, "a small model's stack"),
+    (41.0, 39.2, 33.5, 32.6, 12, "a wide stack, the host kept ahead"),
+    (9.0, 5.4, 6.0, 4.9, 4, "a launched step between 1.5 and 2 times its GPU time"),
+    (10.2, 4.0, 10.0, 3.2, 1, "one site whose kernels ran while the plain step's GPU waited"),
+    (3.0, 3.1, 2.9, 2.8, 30, "a launched step that reads below its GPU time (noise)"),
+]
+# seeded random stacks: launched over GPU time (least, most) per regime, the plain step's range of GPU ms
+_SITE_REGIMES = [((2.2, 12.0), (0.5, 10.0)), ((1.0, 1.4), (10.0, 80.0)), ((1.55, 1.95), (1.0, 20.0))]
+_SITE_LAYERS = (2, 6, 24, 61)
+_SITE_MISTAKES = {
+    "twice": "divided by the layers twice. The two differences are per step; divide their difference by layers "
+             "once to share it among the sites.",
+    "no_gpu": "the launched step's growth taken as host time. Part of it is the sites' own kernels: take the GPU "
+              "time's growth, gpu_ms - plain_gpu_ms, out of it.",
+    "no_plain": "the whole gap between the launched step and its GPU time charged to the sites. The plain step has "
+                "its own host time; compare with it: (launched_ms - plain_launched_ms) - (gpu_ms - plain_gpu_ms).",
+    "per_step": "the host time per step, not per site. Divide by layers: the stack has one site per layer.",
+    "sign": "the difference upside down: the GPU's growth less the launched step's. The host time is what the "
+            "launched step grows beyond the GPU's work: (launched growth) - (GPU growth).",
+    "against_gpu": "the wait compared with the GPU time instead of the launched step. Host-bound means the GPU "
+                   "waits for more than half of the launched step: launched_ms - gpu_ms > launched_ms / 2.",
+    "site_only": "the verdict taken from a site's figures (host time against GPU time per site). The question is "
+                 "the whole launched step's: does its GPU wait, launched_ms - gpu_ms, for more than half of it?",
+    "any_wait": "any wait at all counted as host-bound. A launched step always reads a little longer than its GPU "
+                "time; host-bound means the GPU waits for more than half of it: launched_ms - gpu_ms > "
+                "launched_ms / 2.",
+}
+_SITE_HOST_MISTAKES = ("twice", "no_gpu", "no_plain", "per_step", "sign")
+
+
+def _site_wrong(kind: str):
+    def wrong(launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers):
+        grown, gpu_grown = launched_ms - plain_launched_ms, gpu_ms - plain_gpu_ms
+        host_ms = {"twice": (grown / layers - gpu_grown / layers) / layers, "no_gpu": grown / layers,
+                   "no_plain": (launched_ms - gpu_ms) / layers, "per_step": grown - gpu_grown,
+                   "sign": (gpu_grown - grown) / layers}.get(kind, (grown - gpu_grown) / layers)
+        wait = launched_ms - gpu_ms
+        bound = {"against_gpu": wait > gpu_ms / 2, "site_only": (grown - gpu_grown) / layers > gpu_grown / layers,
+                 "any_wait": wait > 0}.get(kind, wait > launched_ms / 2)
+        return host_ms, bound
+
+    wrong.__name__ = f"host_per_site_{kind}"
+    return wrong
+
+
+def _site_name(launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers, what: str = "") -> str:
+    return (f"{what + ': ' if what else ''}{layers} site{'s' if layers != 1 else ''}, launched {launched_ms:.6g} ms "
+            f"against {gpu_ms:.6g} ms of GPU time, the plain step {plain_launched_ms:.6g} ms against "
+            f"{plain_gpu_ms:.6g} ms")
+
+
+def _site_cases() -> list[tuple[tuple, str]]:
+    cases = [(c[:5], _site_name(*c[:5], c[5])) for c in _SITE_CASES]
+    for k, ((low, high), (gpu_low, gpu_high)) in enumerate(_SITE_REGIMES):
+        g = seeded(8400 + k)
+        u = torch.rand(4, generator=g, dtype=torch.float64).tolist()
+        layers = _SITE_LAYERS[int(torch.randint(len(_SITE_LAYERS), (), generator=g))]
+        plain_gpu = gpu_low + (gpu_high - gpu_low) * u[0]
+        gpu = plain_gpu + layers * (0.01 + 0.5 * u[1])
+        launched = gpu * (low + (high - low) * u[2])
+        plain_launched = plain_gpu + (launched - gpu) * (0.1 + 0.8 * u[3])  # the plain step waits less
+        args = (launched, gpu, plain_launched, plain_gpu, layers)
+        cases.append((args, _site_name(*args)))
+    return cases
+
+
+def _near(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 + 1e-6 * abs(b)
+
+
+def _host_and_flag(got, case: str) -> tuple[float, bool]:
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        length = f" of length {len(got)}" if isinstance(got, (tuple, list)) else ""
+        raise CheckFailed(f"{case}: expected a tuple (host_ms, host_bound), got {type(got).__name__}{length}")
+    host, flag = got
+    try:
+        host = float(host)
+    except (TypeError, ValueError):
+        raise CheckFailed(f"{case}: expected host_ms to be a number, got {type(host).__name__}") from None
+    if isinstance(flag, torch.Tensor) and flag.dtype == torch.bool and flag.numel() == 1:
+        flag = bool(flag)
+    if not isinstance(flag, bool) and type(flag).__name__ != "bool_":
+        raise CheckFailed(f"{case}: expected host_bound to be True or False (a comparison's result), got "
+                          f"{type(flag).__name__} {flag!r}")
+    return host, bool(flag)
+
+
+def _site_mistake(values: list, cases: list, part: int) -> str:
+    """The usual mistake whose ``part`` (0: host_ms, 1: host_bound) the answers match on every case."""
+    for kind, explanation in _SITE_MISTAKES.items():
+        if (kind in _SITE_HOST_MISTAKES) != (part == 0):
+            continue
+        wrong = [_site_wrong(kind)(*args)[part] for args, _ in cases]
+        same = _near if part == 0 else (lambda a, b: a == b)
+        if all(same(v[part], w) for v, w in zip(values, wrong)):
+            return f" This looks like the usual mistake: {explanation}"
+    return ""
+
+
+@register(
+    "8.4", "what the host adds per site",
+    hints=[
+        "Set the mHC stack against the plain one: each differs from it by its sites, once launched and once on the "
+        "GPU. Of what the sites add to the launched step, the part their GPU time does not explain is the host's; "
+        "share it among the sites. For the verdict, set the time the GPU waits in the launched step against the "
+        "launched step itself.",
+        "host_ms = ((launched_ms - plain_launched_ms) - (gpu_ms - plain_gpu_ms)) / layers: both differences are per "
+        "step, so divide once. The GPU waits launched_ms - gpu_ms per step; the step is host-bound when that is "
+        "more than half of launched_ms.",
+        "return ((launched_ms - plain_launched_ms) - (gpu_ms - plain_gpu_ms)) / layers, "
+        "launched_ms - gpu_ms > launched_ms / 2",
+    ],
+    library="mhc_lab.course.step_time.host_per_site",
+    mistakes=[
+        Mistake(_site_wrong("twice"), "divided by the layers twice"),
+        Mistake(_site_wrong("no_gpu"), "the launched step's growth taken as host time"),
+        Mistake(_site_wrong("no_plain"), "the whole gap between the launched step and its GPU time"),
+        Mistake(_site_wrong("per_step"), "the host time per step, not per site"),
+        Mistake(_site_wrong("sign"), "the difference upside down"),
+        Mistake(_site_wrong("against_gpu"), "the wait compared with the GPU time"),
+        Mistake(_site_wrong("site_only"), "the verdict taken from a site's figures"),
+        Mistake(_site_wrong("any_wait"), "any wait at all counted as host-bound"),
+    ],
+)
+def _check_host_per_site(answer):
+    cases = _site_cases()
+    values = [_host_and_flag(call(answer, *args, case=name), name) for args, name in cases]
+    for (args, name), (host, _) in zip(cases, values):
+        want = host_per_site(*args)[0]
+        if not _near(host, want):
+            raise CheckFailed(f"{name}: expected host_ms = {want:.6g}, got {host:.6g}."
+                              + _site_mistake(values, cases, 0))
+    for (args, name), (_, flag) in zip(cases, values):
+        want = bool(host_per_site(*args)[1])
+        if flag != want:
+            raise CheckFailed(f"{name}: expected host_bound = {want}, got {flag}." + _site_mistake(values, cases, 1))
+    return [name for _, name in cases]
