@@ -7,8 +7,24 @@ def test_results_and_readme_table_match_the_recordings(capsys):
     assert results.main(["--check"]) == 0, capsys.readouterr().out
 
 
-def test_readme_table_has_at_most_eight_rows_each_with_where_and_when():
+def test_readme_table_has_at_most_nine_rows_each_with_where_and_when():
     table = results.readme_table(results.load_all()).splitlines()[2:]
-    assert 0 < len(table) <= 8
+    assert 0 < len(table) <= 9
     for row in table:
         assert "H200" in row and "2026-" in row, row
+
+
+def test_stack_rows_are_the_recordings_figures_over_the_plain_stack_run_alike():
+    training = {"results": {"stack": {"environment": {"gpu": "GPU", "date": "2026-01-01"}, "shapes": [{
+        "tokens": 64, "C": 32, "layers": 2,
+        "launched_ms": {"residual": 2.0, "mhc_kernels": 3.0, "residual_reduce_overhead": 1.0,
+                        "mhc_kernels_reduce_overhead": 1.25},
+        "graph_ms": {"residual": 1.0, "mhc_kernels": 1.5},
+        "over_residual": {"launched": {"mhc_kernels": {"median": 1.4}, "mhc_kernels_reduce_overhead": {"median": 1.3}},
+                          "graph": {"mhc_kernels": {"median": 1.6}}}}]}}}
+    header, rows, measured = results.stack_rows(training)
+    assert header[2:] == list(results.STACK_COLUMNS.values()) and measured == "GPU, 2026-01-01"
+    assert rows == [["64 × 32, 2", "launched ms", "2.000", "3.000 (1.40x)", "-", "-"],
+                    ["64 × 32, 2", "CUDA graph ms", "1.000", "1.500 (1.60x)", "-", "-"],
+                    ["64 × 32, 2", "torch.compile, reduce-overhead, ms", "1.000", "1.250 (1.30x)", "-", "-"]]
+    assert results.stack_rows({"results": {}}) == ([], [], "")

@@ -108,6 +108,39 @@ def block_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
     return header, [plain] + rows, _measured(block)
 
 
+STACK_COLUMNS = {"residual": "plain", "mhc_kernels": "ours", "mhc_tilekernels": "TileKernels",
+                 "mhc_reference": "reference"}
+
+
+def stack_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
+    """A stack of MLP layers trained one step at a time: each kind's step launched and as a CUDA graph (ms, and
+    over the plain stack's), and under torch.compile's reduce-overhead where recorded."""
+    stack = (training or {}).get("results", {}).get("stack")
+    if not stack:
+        return [], [], ""
+    header = ["shape (tokens × C), layers", "step", *STACK_COLUMNS.values()]
+    rows = []
+    for shape in stack["shapes"]:
+        over = shape.get("over_residual", {})
+        where = f"{_shape(shape)}, {shape['layers']}"
+        for mode, times, label in (("launched", shape.get("launched_ms", {}), "launched ms"),
+                                   ("graph", shape.get("graph_ms", {}), "CUDA graph ms")):
+            cells = []
+            for kind in STACK_COLUMNS:
+                ratio = over.get(mode, {}).get(kind, {}).get("median")
+                cells.append(_ms(times.get(kind)) + (f" ({ratio:.2f}x)" if ratio else ""))
+            rows.append([where, label] + cells)
+        times = shape.get("launched_ms", {})
+        if any(f"{kind}_reduce_overhead" in times for kind in STACK_COLUMNS):
+            cells = []
+            for kind in STACK_COLUMNS:
+                compiled = f"{kind}_reduce_overhead"
+                ratio = over.get("launched", {}).get(compiled, {}).get("median")
+                cells.append(_ms(times.get(compiled)) + (f" ({ratio:.2f}x)" if ratio else ""))
+            rows.append([where, "torch.compile, reduce-overhead, ms"] + cells)
+    return header, rows, _measured(stack)
+
+
 def results_markdown(recordings: dict) -> str:
     forward, training = recordings.get("forward_h200"), recordings.get("training_h200")
     out = ["# Results", "",
@@ -126,6 +159,11 @@ def results_markdown(recordings: dict) -> str:
          "post apart; a linked site sums the lanes' two gradients in one pass; a chained site (what a stack runs) "
          "also has each post project its lanes for the next pre. Launched: op by op from Python, the host's time "
          "included."),
+        ("A training loop: a stack of MLP layers", stack_rows(training),
+         "Pre-norm MLP layers (4C hidden, bf16) joined by the plain residual or by mHC, one training step at a time "
+         "as a user's loop runs it: launched op by op from Python (the host's time included), as a CUDA graph (the "
+         "GPU's time alone), and compiled by torch.compile in its reduce-overhead mode (CUDA graphs of its own). "
+         "In parentheses: over the plain stack run alike."),
         ("mHC on a transformer block", block_rows(training),
          "Attention + 4C MLP, 16384 tokens, forward + backward; overheads are the median over interleaved rounds. "
          "The copy floor is the plain block plus device-to-device copies of the bytes mHC moves beyond it."),
@@ -140,7 +178,7 @@ def results_markdown(recordings: dict) -> str:
 
 
 def readme_table(recordings: dict) -> str:
-    """At most eight rows: the headline figures, each with where and when."""
+    """At most nine rows: the headline figures, each with where and when."""
     forward, training = recordings.get("forward_h200"), recordings.get("training_h200")
     lines = ["| what (n = 4, bf16) | figure | measured |", "|---|---|---|"]
     _, rows, measured = training_site_rows(training)
@@ -151,12 +189,17 @@ def readme_table(recordings: dict) -> str:
     for r in rows[:2]:
         lines.append(f"| site forward at {r[0]}: TileKernels / ours alone / ours in a stack | {r[1]} / {r[2]} ms | "
                      f"{measured} |")
+    _, rows, measured = stack_rows(training)
+    launched = next((r for r in rows if r[1] == "launched ms"), None)
+    if launched:
+        lines.append(f"| training step of {launched[0]} MLP layers, launched: plain / ours / TileKernels | "
+                     f"{' / '.join(c.split(' ')[0] for c in launched[2:5])} ms | {measured} |")
     header, rows, measured = block_rows(training)
     ours = next((r for r in rows if r[0] == BLOCK_KINDS["mhc_ours"]), None)
     if ours:
         for col, cell in zip(header[1:], ours[1:]):
             lines.append(f"| mHC's overhead on a transformer block, {col} | {cell} | {measured} |")
-    return "\n".join(lines[:10])
+    return "\n".join(lines[:11])
 
 
 def readme_with_table(readme: str, table: str) -> str:
