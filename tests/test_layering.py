@@ -1,6 +1,6 @@
 """The package's layers import only downward, and no module imports itself back through others.
 
-    reference -> kernels -> ops -> measure -> models -> bench -> course -> classroom
+    reference -> kernels -> ops -> measure -> models -> integrations -> bench -> course -> classroom
 
 (each may import those to its left; a module's imports inside functions count as much as those at the top).
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mhc_lab"
-LAYERS = ("reference", "kernels", "ops", "measure", "models", "bench", "course", "classroom")
+LAYERS = ("reference", "kernels", "ops", "measure", "models", "integrations", "bench", "course", "classroom")
 
 
 def _module_name(path: Path) -> str:

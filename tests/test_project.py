@@ -16,7 +16,8 @@ def _requirement_names(requirements):
 
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = _requirement_names(project["dependencies"] + project["optional-dependencies"]["test"])
+    extras = project["optional-dependencies"]
+    wanted = _requirement_names(project["dependencies"] + extras["test"] + extras["transformers"])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
     listed = _requirement_names([p for p in pip_section if not p.startswith("-e")])

@@ -1,6 +1,7 @@
 """Measuring: the timer and the device choice (timing.py), recorded results in mhc_lab/recorded and what each
 holds (recordings.py, schemas.py), the bytes each design moves (bytes_model.py), the profiler's counts
-(profiling.py) and the roofline (roofline.py).
+(profiling.py), the roofline (roofline.py), and ranks trained data-parallel with what each device holds
+(distributed.py).
 
     from mhc_lab.measure import time_fn, save_recording, load_recording, recorded_or_none, recording_label
 """

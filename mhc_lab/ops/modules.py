@@ -147,6 +147,13 @@ def recompute_policy(ctx, op, *args, **kwargs):
 
     if getattr(op, "namespace", None) == "mhc_lab" or getattr(op, "is_view", False):
         return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute and getattr(op, "namespace", None) == "fsdp":
+        raise InputError(
+            f"recompute_block: FSDP2 gathers a layer's parameters inside a recompute block ({op}), and the "
+            "recompute in backward runs other ops than the forward did, which selective checkpointing refuses; "
+            "make the whole MHCResidualStream one fully_shard unit (no layer in it a unit of its own), or "
+            "recompute_block=None"
+        )
     if not ctx.is_recompute and op._schema.is_mutable:
         raise InputError(
             f"recompute_block: a layer modifies a tensor in place ({op}), which blocks that keep the layers' "
