@@ -1018,6 +1018,7 @@ def _stacks_on_cpu(monkeypatch, ran: list, *, tilekernels: bool = True):
 
     monkeypatch.setattr(bs, "torch", _cpu_torch())
     monkeypatch.setattr(common, "torch", _cpu_torch())
+    monkeypatch.setattr(host, "torch", _cpu_torch())  # the host profile synchronises there
     monkeypatch.setattr(bs.Stack, "cuda", lambda self: self)
     if tilekernels:
         monkeypatch.setattr(bs, "tilekernels_ops", lambda: _tilekernels_from_the_reference(ran))

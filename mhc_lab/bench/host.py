@@ -28,6 +28,37 @@ def wall_ms(step, repeat: int) -> float:
     return (time.perf_counter() - t) / repeat * 1e3
 
 
+def where(key) -> str:
+    """cProfile's (file, line, function) as a short place: the path from site-packages or mhc_lab on."""
+    path, line, name = key
+    if path == "~":
+        return name
+    path = path.split("site-packages/")[-1]
+    if "/mhc_lab/" in path:
+        path = "mhc_lab/" + path.split("/mhc_lab/")[-1]
+    return f"{path}:{line}({name})"
+
+
+def python_profile(step, steps: int, *, top: int) -> dict:
+    """cProfile over ``steps`` calls of step(), the GPU synchronised at the end: the wall time per step under it
+    (ms, its own cost included), the Python functions' own time per step in all (us), and the ``top`` functions
+    by own time and by cumulative time per step (us, cumulative_us, calls, function)."""
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    profiled_ms = (time.perf_counter() - start) / steps * 1e3
+    stats = pstats.Stats(profiler).stats
+    rows = [{"us": round(v[2] / steps * 1e6, 1), "cumulative_us": round(v[3] / steps * 1e6, 1),
+             "calls": v[1] / steps, "function": where(k)} for k, v in stats.items()]
+    return {"profiled_ms": profiled_ms, "own_us": round(sum(v[2] for v in stats.values()) / steps * 1e6, 1),
+            "by_own_time": sorted(rows, key=lambda r: -r["us"])[:top],
+            "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_us"])[:top]}
+
+
 def bench_host(tokens: int = 256, C: int = 768, *, steps: int = 200, top: int = 25, log=print) -> dict:
     """The chained site at tokens x C: launched and graph wall times, its kernels' GPU time and count, and the
     ``top`` Python functions by own time per step."""
@@ -40,16 +71,8 @@ def bench_host(tokens: int = 256, C: int = 768, *, steps: int = 200, top: int = 
     out = {"tokens": tokens, "C": C, "launched_ms": wall_ms(site, steps),
            "graph_ms": wall_ms(graph_replay(site), steps)}
     out["kernel_ms"], out["kernels_per_step"] = kernel_totals(kernel_times(site))
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        site()
-    torch.cuda.synchronize()
-    profiler.disable()
-    stats = pstats.Stats(profiler)
-    rows = sorted(((v[2] / steps * 1e6, v[1] / steps, f"{k[0].split('site-packages/')[-1]}:{k[1]}({k[2]})")
-                   for k, v in stats.stats.items()), reverse=True)[:top]
-    out["host_us_by_function"] = [{"us": round(us, 1), "calls": calls, "function": where} for us, calls, where in rows]
+    profile = python_profile(site, steps, top=top)
+    out["host_us_by_function"] = [{k: row[k] for k in ("us", "calls", "function")} for row in profile["by_own_time"]]
     log(f"  host: site {tokens}x{C} chained: {out['launched_ms']:.3f} ms launched, {out['graph_ms']:.3f} ms as a "
         f"CUDA graph, {out['kernels_per_step']:.0f} kernels ({out['kernel_ms']:.3f} ms of kernel time)")
     for row in out["host_us_by_function"]:

@@ -20,9 +20,7 @@ cProfile's functions by own and by cumulative time per step.
 
 from __future__ import annotations
 
-import cProfile
 import math
-import pstats
 import statistics
 import time
 
@@ -38,7 +36,7 @@ from mhc_lab.bench.common import (
     round_ratios,
     tilekernels_ops,
 )
-from mhc_lab.bench.host import wall_ms
+from mhc_lab.bench.host import python_profile, wall_ms
 from mhc_lab.bench.kernels import kernel_times, kernel_totals
 from mhc_lab.measure.schemas import (
     STACK_ALL_KINDS,
@@ -136,17 +134,6 @@ def stack_step(width: int, tokens: int, kind: str, *, layers: int = 8, n: int = 
     return step
 
 
-def _where(key) -> str:
-    """cProfile's (file, line, function) as a short place: the path from site-packages or mhc_lab on."""
-    path, line, name = key
-    if path == "~":
-        return name
-    path = path.split("site-packages/")[-1]
-    if "/mhc_lab/" in path:
-        path = "mhc_lab/" + path.split("/mhc_lab/")[-1]
-    return f"{path}:{line}({name})"
-
-
 def host_profile(step, steps: int, *, top: int = TOP) -> dict:
     """Where the host's time of ``steps`` launched steps goes: the wall time per step of the forward (with the
     loss) and of the backward, timed apart without synchronising between them; then cProfile over ``steps``
@@ -162,21 +149,8 @@ def host_profile(step, steps: int, *, top: int = TOP) -> dict:
         loss.backward()
         forward, backward = forward + t1 - t0, backward + time.perf_counter() - t1
     torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    profiled_ms = (time.perf_counter() - start) / steps * 1e3
-    stats = pstats.Stats(profiler).stats
-    rows = [{"us": round(v[2] / steps * 1e6, 1), "cumulative_us": round(v[3] / steps * 1e6, 1),
-             "calls": v[1] / steps, "function": _where(k)} for k, v in stats.items()]
     return {"steps": steps, "forward_ms": forward / steps * 1e3, "backward_ms": backward / steps * 1e3,
-            "profiled_ms": profiled_ms, "own_us": round(sum(v[2] for v in stats.values()) / steps * 1e6, 1),
-            "by_own_time": sorted(rows, key=lambda r: -r["us"])[:top],
-            "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_us"])[:top]}
+            **python_profile(step, steps, top=top)}
 
 
 def _compile_every_stack() -> None:
