@@ -181,7 +181,7 @@ def test_every_figure_of_the_shipped_stack_table_is_the_recordings():
     shown = _numbers(text.split("\n(x:")[0])  # the legend below the table holds no figure
     assert shown and set(shown) <= allowed, sorted(set(shown) - allowed)
     for row in step_time.stack_rows(stack):
-        if row["host_ms"] is not None:  # exercise 8.4's host per site is the benchmark's per-site figures' difference
+        if row["host_ms"] is not None:  # exercise 8.3's host per site is the benchmark's per-site figures' difference
             site = next(s for s in stack["shapes"] if s["C"] == row["C"] and s["tokens"] == row["tokens"])
             per_site = site["per_site_over_residual"][row["kind"]]
             assert row["host_ms"] == pytest.approx(per_site["launched_ms"] - per_site["gpu_ms"])

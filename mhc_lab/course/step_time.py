@@ -6,9 +6,9 @@ stack of layers measured live (on the CPU, where a tiny stack's host time goes).
     load_recorded()                                    both recordings, {"training": ..., "forward": ...}
     copy_floor_overhead(read_C, written_C, ...)        exercise 8.1: the copy floor's extra time and overhead
     host_share(launched_ms, graph_ms)                  exercise 8.2: the host's share of a launched step
-    instruction_bound(alone_ms, block_ms, threshold)   exercise 8.3: slowed beside the layers' GEMMs or not
+    instruction_bound(alone_ms, block_ms, threshold)   exercise 8.4: slowed beside the layers' GEMMs or not
     host_per_site(launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers)
-                                                       exercise 8.4: what the host adds per site, host-bound or not
+                                                       exercise 8.3: what the host adds per site, host-bound or not
     floor_table, site_clocks_table, step_profile_table, stack_table, stack_host_table, power_cap_table,
     bytes_table                                        the lab's tables
 
@@ -115,13 +115,13 @@ def host_share(launched_ms: torch.Tensor, graph_ms: torch.Tensor) -> torch.Tenso
 
 
 def instruction_bound(alone_ms: torch.Tensor, block_ms: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Exercise 8.3. True where a kernel runs slower in the block than with identity layers by more than
+    """Exercise 8.4. True where a kernel runs slower in the block than with identity layers by more than
     ``threshold`` (a fraction: 0.03 is 3%): block_ms / alone_ms - 1 > threshold."""
     return block_ms / alone_ms - 1 > threshold
 
 
 def host_per_site(launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers):
-    """Exercise 8.4. What each of a stack's ``layers`` mHC sites adds to its launched step beyond its kernels' GPU
+    """Exercise 8.3. What each of a stack's ``layers`` mHC sites adds to its launched step beyond its kernels' GPU
     time, in ms: the launched step's growth over the plain residual's, less its GPU time's growth, over the sites
     (negative where the sites' kernels ran in time the plain step's GPU spent waiting); and whether the launched
     step is host-bound: its GPU waits for the host (launched - GPU time) for more than half of it."""
@@ -348,8 +348,8 @@ def _ratio(shape: dict, mode: str, figure: str, kind: str) -> float | None:
 
 def stack_rows(stack: dict | None) -> list[dict]:
     """Per shape of a stack section and kind: launched, GPU and graph ms per step with their ratios to the plain
-    residual, kernels per step; for the mHC kinds what each site adds (GPU ms, kernels) and exercise 8.4's host
-    ms per site; and 8.4's verdict on the launched step (None where a figure is missing)."""
+    residual, kernels per step; for the mHC kinds what each site adds (GPU ms, kernels) and exercise 8.3's host
+    ms per site; and 8.3's verdict on the launched step (None where a figure is missing)."""
     rows = []
     for shape in (stack or {}).get("shapes") or []:
         launched, gpu = shape.get("launched_ms") or {}, shape.get("gpu_ms") or {}
@@ -387,7 +387,7 @@ def stack_table(stack: dict | None) -> str:
     from Python (ms, and over the plain residual's), its kernels' GPU time (ms, and over the plain residual's)
     and count, the step as a CUDA graph (ms, and over the plain residual's), and whether the launched step is
     host-bound; then per mHC site, what it adds to the plain step's GPU time, kernels and host time (exercise
-    8.4)."""
+    8.3)."""
     rows = stack_rows(stack)
     if not rows:
         return "(no stack measurements)"
@@ -612,7 +612,7 @@ def clock_bounds() -> tuple[float, float]:
 
 
 def power_cap_rows(block_kernels: dict | None) -> list[dict]:
-    """Per width, the chained block's own kernels with the verdict of exercise 8.3 at that profile's
+    """Per width, the chained block's own kernels with the verdict of exercise 8.4 at that profile's
     repeatability: {"C", "threshold", "kernels": [... "verdict"]}."""
     out = []
     for entry in ((block_kernels or {}).get("widths") or []):
@@ -632,7 +632,7 @@ def power_cap_rows(block_kernels: dict | None) -> list[dict]:
 
 def power_cap_table(block_kernels: dict | None) -> str:
     """Table 4: each of the chained block's own kernels per step with identity layers (no GEMMs: the SM clock
-    high) and in the block (beside the GEMMs, at the power cap), their ratio and exercise 8.3's verdict."""
+    high) and in the block (beside the GEMMs, at the power cap), their ratio and exercise 8.4's verdict."""
     rows = power_cap_rows(block_kernels)
     if not rows:
         return "(no block breakdown of the chained block recorded)"

@@ -8,6 +8,10 @@ each with both backends (mhc_lab.ops.dispatch), and their autograd.
 
 Custom ops with their own backward ops let torch.compile trace a model around them without graph breaks, and
 let selective activation checkpointing recompute exactly these ops (``MHCResidualStream(recompute_block=...)``).
+Each op's implementation is ``<op>_impl``. Called eagerly, the modules run the implementations through
+autograd.Functions instead (run_pre_forward, run_post_forward, run_post_forward_linked; as_ops says which path
+runs), with the same setup_context and backward formulas: the custom ops' Python dispatch would cost the host
+more than a small model's site costs the GPU (the end of this file).
 
 A linked site (pre_forward's link handed to post_forward_linked) sums the lanes' two gradients inside the
 pre's backward: the post's backward either writes H_res^T g for kernel 2 to add, or (post_gradient_to_pre_for)

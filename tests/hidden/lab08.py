@@ -1,12 +1,14 @@
 """Hidden checks for lab 08 (used by `mhc-lab grade`, never shown in a lab): the copy floor for float32 lanes, one
 token and huge blocks; the host's share for 0-d tensors, float32, equal times and a wide batch; the host per site for
 integer times, a stack no slower than the plain one, a wait of exactly half the step, microsecond steps; the power
-cap's rule for a zero threshold, equal times, 2-D and 0-d tensors."""
+cap's rule for a zero threshold, equal times, 2-D and 0-d tensors; the lanes on the wire for integer arguments, one
+token, compute a hair either side of the transfer, a huge micro-batch on a slow link."""
 
 import torch
 
 from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
 from mhc_lab.course.checks import CheckFailed, call, randn
+from mhc_lab.course.pipeline import boundary_exposed
 from mhc_lab.course.step_time import copy_floor_overhead, host_per_site, host_share, instruction_bound
 
 
@@ -37,7 +39,7 @@ def _host_share(answer):
     return cases
 
 
-@hidden("8.3", "a zero threshold, equal times, 2-D and 0-d tensors")
+@hidden("8.4", "a zero threshold, equal times, 2-D and 0-d tensors")
 def _instruction_bound(answer):
     cases = []
     alone = 0.02 + randn(5, 6, seed=830).abs()
@@ -56,7 +58,7 @@ def _instruction_bound(answer):
     return cases
 
 
-@hidden("8.4", "integer times, a stack no slower than the plain one, a wait of exactly half, microsecond steps")
+@hidden("8.3", "integer times, a stack no slower than the plain one, a wait of exactly half, microsecond steps")
 def _host_per_site(answer):
     cases = []
     for args, label in [
@@ -77,5 +79,29 @@ def _host_per_site(answer):
             raise CheckFailed(f"{label}: expected host_ms = {want_host:.6g}, got {host:.6g}")
         if not isinstance(got[1], bool) and type(got[1]).__name__ != "bool_" or bool(got[1]) != want_bound:
             raise CheckFailed(f"{label}: expected host_bound = {want_bound}, got {got[1]!r}")
+        cases.append(label)
+    return cases
+
+
+@hidden("8.5", "integer arguments, one token, compute a hair either side of the transfer, a huge micro-batch")
+def _boundary_exposed(answer):
+    cases = []
+    for args, label in [
+            ((1, 8, 1000, 1000, 1, 1), "integer arguments: 1 ms of transfer, 1 ms of compute, nothing exposed"),
+            ((0.0, 1.0, 1, 1, 1, 1), "one token, one element, no compute"),
+            ((0.16 * (1 - 1e-3), 400.0, 1000, 1000, 4, 2), "compute a hair shorter than the transfer"),
+            ((0.16 * (1 + 1e-3), 400.0, 1000, 1000, 4, 2), "compute a hair longer than the transfer"),
+            ((250.0, 10.0, 1 << 20, 7168, 16, 4), "a huge micro-batch, 16 lanes, on a slow link")]:
+        got = call(answer, *args, case=label)
+        want = boundary_exposed(*args)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CheckFailed(f"{label}: expected a tuple (transfer_ms, exposed_ms), got {type(got).__name__}")
+        for name, g, w in zip(("transfer_ms", "exposed_ms"), got, want):
+            try:
+                g = float(g)
+            except (TypeError, ValueError):
+                raise CheckFailed(f"{label}: expected {name} to be a number, got {type(g).__name__}") from None
+            if abs(g - w) > 1e-12 * (1 + abs(want[0])) + 1e-9 * abs(w):
+                raise CheckFailed(f"{label}: expected {name} = {w:.9g}, got {g:.9g}")
         cases.append(label)
     return cases

@@ -1,10 +1,11 @@
 """Lab 08 exercises: where a training step's time goes. The copy floor's extra time and overhead from bytes and the
 copy bandwidth, the host's share of a launched step from its launched and CUDA-graph times, what the host adds per
-mHC site of a stack and whether its launched step is host-bound, and which kernels the power cap slows
-(instruction-bound) from their time with identity layers and in the block.
+mHC site of a stack and whether its launched step is host-bound, which kernels the power cap slows
+(instruction-bound) from their time with identity layers and in the block, and how much of the n lanes' transfer
+across a pipeline stage boundary another micro-batch's compute hides.
 
 Each check draws seeded random inputs for several block shapes (or tensor shapes) and compares with the reference
-in mhc_lab.course.step_time, computed independently; a wrong answer that matches a usual mistake on every case is
+in mhc_lab.course.step_time (mhc_lab.course.pipeline for 8.5), computed independently; a wrong answer that matches a usual mistake on every case is
 named.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, register, seeded
+from mhc_lab.course.pipeline import boundary_exposed
 from mhc_lab.course.step_time import copy_floor_overhead, host_per_site, host_share, instruction_bound
 
 
@@ -203,7 +205,7 @@ def _check_host_share(answer):
     return cases
 
 
-# ---- 8.3 slowed by the power cap, or not ---------------------------------------------------------------------------
+# ---- 8.4 slowed by the power cap, or not ---------------------------------------------------------------------------
 
 _BOUND_CASES = [((12,), 0.023), ((3, 4), 0.035), ((7,), 0.05), ((2,), 0.0)]
 _BOUND_MISTAKES = {
@@ -263,7 +265,7 @@ def _compare_flags(got, alone, block, threshold, case: str) -> None:
 
 
 @register(
-    "8.3", "slowed by the power cap, or not",
+    "8.4", "slowed by the power cap, or not",
     hints=[
         "For each kernel, how much slower is it in the block than with identity layers, as a fraction of its time "
         "with identity layers? Compare that with the threshold, entry by entry, with tensor operations.",
@@ -290,7 +292,7 @@ def _check_instruction_bound(answer):
     return cases
 
 
-# ---- 8.4 what the host adds per site -------------------------------------------------------------------------
+# ---- 8.3 what the host adds per site -------------------------------------------------------------------------
 
 # (launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers, what the case is): each usual mistake gives a
 # wrong answer on at least one of them
@@ -395,7 +397,7 @@ def _site_mistake(values: list, cases: list, part: int) -> str:
 
 
 @register(
-    "8.4", "what the host adds per site",
+    "8.3", "what the host adds per site",
     hints=[
         "Set the mHC stack against the plain one: each differs from it by its sites, once launched and once on the "
         "GPU. Of what the sites add to the launched step, the part their GPU time does not explain is the host's; "
@@ -431,4 +433,124 @@ def _check_host_per_site(answer):
         want = bool(host_per_site(*args)[1])
         if flag != want:
             raise CheckFailed(f"{name}: expected host_bound = {want}, got {flag}." + _site_mistake(values, cases, 1))
+    return [name for _, name in cases]
+
+
+# ---- 8.5 the n lanes on the wire -------------------------------------------------------------------------------
+
+# (compute_ms, link_gbit_s, tokens, C, n, itemsize, what the case is): each usual mistake gives a different answer on
+# some case; the seeded cases follow
+_WIRE_CASES = [
+    (3.0, 400.0, 4096, 7168, 4, 2, "DeepSeek-V3's width, 4 lanes in bf16 over 400 Gbit/s"),
+    (3.0, 400.0, 4096, 7168, 1, 2, "the same with one lane"),
+    (0.32, 100.0, 1000, 1000, 2, 2, "compute exactly as long as the transfer"),
+    (0.0, 200.0, 512, 2560, 4, 2, "no compute to hide behind"),
+    (0.05, 25.0, 77, 333, 8, 1, "8 lanes in fp8, an odd shape, a slow link"),
+    (40.0, 3200.0, 16384, 4096, 4, 4, "float32 lanes, a fast link, long compute"),
+]
+_WIRE_MISTAKES = {
+    "no_n": "one hidden state counted, not n lanes. The boundary carries the whole stream, [tokens, n, C]: "
+            "tokens * n * C * itemsize bytes.",
+    "bits": "bytes divided by bits per second. The link's Gbit/s are 10^9 bits a second and a byte is 8 bits: "
+            "seconds = bytes * 8 / (link_gbit_s * 1e9).",
+    "elements": "elements counted as bytes: each element is itemsize bytes (2 for bf16), so the lanes are "
+                "tokens * n * C * itemsize bytes.",
+    "sum": "the whole transfer counted as exposed, as if it waited for the compute. The two run at the same time: only "
+           "the part of the transfer that outlasts the compute shows, max(0, transfer_ms - compute_ms).",
+    "no_clamp": "a negative exposed time where the compute outlasts the transfer. Hidden time is hidden: nothing shows, "
+                "max(0, transfer_ms - compute_ms).",
+}
+
+
+def _wire_wrong(kind: str):
+    def wrong(compute_ms, link_gbit_s, tokens, C, n, itemsize=2):
+        nbytes = tokens * (1 if kind == "no_n" else n) * C * (1 if kind == "elements" else itemsize)
+        transfer_ms = nbytes * (1 if kind == "bits" else 8) / (link_gbit_s * 1e9) * 1e3
+        if kind == "sum":
+            return transfer_ms, transfer_ms
+        if kind == "no_clamp":
+            return transfer_ms, transfer_ms - compute_ms
+        return transfer_ms, max(0.0, transfer_ms - compute_ms)
+
+    wrong.__name__ = f"boundary_exposed_{kind}"
+    return wrong
+
+
+def _wire_name(compute_ms, link_gbit_s, tokens, C, n, itemsize, what: str = "") -> str:
+    return (f"{what + ': ' if what else ''}{tokens} tokens, n={n}, C={C}, itemsize {itemsize}, "
+            f"{link_gbit_s:.6g} Gbit/s, {compute_ms:.6g} ms of compute")
+
+
+def _wire_cases() -> list[tuple[tuple, str]]:
+    cases = [(c[:6], _wire_name(*c)) for c in _WIRE_CASES]
+    for k in range(3):
+        g = seeded(8500 + k)
+        u = torch.rand(3, generator=g, dtype=torch.float64).tolist()
+        tokens = int(torch.randint(1, 20000, (), generator=g))
+        C = int(torch.randint(64, 8193, (), generator=g))
+        n = (1, 2, 3, 4, 6, 8)[int(torch.randint(6, (), generator=g))]
+        itemsize = (1, 2, 4)[int(torch.randint(3, (), generator=g))]
+        link = 10 + 1990 * u[0]
+        transfer_ms = tokens * n * C * itemsize * 8 / (link * 1e9) * 1e3
+        compute = transfer_ms * (0.2 + 1.6 * u[1])  # hidden or not
+        args = (compute, link, tokens, C, n, itemsize)
+        cases.append((args, _wire_name(*args)))
+    return cases
+
+
+def _wire_values(got, case: str) -> tuple[float, float]:
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        length = f" of length {len(got)}" if isinstance(got, (tuple, list)) else ""
+        raise CheckFailed(f"{case}: expected a tuple of two numbers (transfer_ms, exposed_ms), got "
+                          f"{type(got).__name__}{length}")
+    try:
+        return float(got[0]), float(got[1])
+    except (TypeError, ValueError):
+        raise CheckFailed(f"{case}: expected (transfer_ms, exposed_ms) to be numbers, got "
+                          f"({type(got[0]).__name__}, {type(got[1]).__name__})") from None
+
+
+def _wire_near(a: float, b: float, scale: float) -> bool:
+    return abs(a - b) <= 1e-9 * (1 + scale) + 1e-6 * abs(b)
+
+
+def _wire_mistake(values: list, cases: list) -> str:
+    """The usual mistake the answers match on every case ("" if none does)."""
+    for kind, explanation in _WIRE_MISTAKES.items():
+        wrong = [_wire_wrong(kind)(*args) for args, _ in cases]
+        if all(_wire_near(v[0], w[0], abs(w[0])) and _wire_near(v[1], w[1], abs(w[0]))
+               for v, w in zip(values, wrong)):
+            return f" This looks like the usual mistake: {explanation}"
+    return ""
+
+
+@register(
+    "8.5", "the n lanes on the wire",
+    hints=[
+        "Bytes first: the boundary carries the lanes, [tokens, n, C], each element itemsize bytes. The link is "
+        "quoted in bits per second. Then ask which part of the transfer is left over once the other micro-batch's "
+        "compute, running at the same time, is done.",
+        "bits = tokens * n * C * itemsize * 8; transfer_ms = bits / (link_gbit_s * 1e9) * 1e3. The transfer and the "
+        "compute overlap, so only the excess shows: max(0, transfer_ms - compute_ms).",
+        "transfer_ms = tokens * n * C * itemsize * 8 / (link_gbit_s * 1e9) * 1e3; "
+        "return transfer_ms, max(0.0, transfer_ms - compute_ms)",
+    ],
+    library="mhc_lab.course.pipeline.boundary_exposed",
+    mistakes=[
+        Mistake(_wire_wrong("no_n"), "one hidden state counted, not n lanes"),
+        Mistake(_wire_wrong("bits"), "bytes divided by bits per second"),
+        Mistake(_wire_wrong("elements"), "elements counted as bytes"),
+        Mistake(_wire_wrong("sum"), "the whole transfer counted as exposed"),
+        Mistake(_wire_wrong("no_clamp"), "a negative exposed time"),
+    ],
+)
+def _check_boundary_exposed(answer):
+    cases = _wire_cases()
+    values = [_wire_values(call(answer, *args, case=name), name) for args, name in cases]
+    for (args, name), (transfer, exposed) in zip(cases, values):
+        want_transfer, want_exposed = boundary_exposed(*args)
+        for label, got, want in (("transfer_ms", transfer, want_transfer), ("exposed_ms", exposed, want_exposed)):
+            if not _wire_near(got, want, abs(want_transfer)):
+                raise CheckFailed(f"{name}: expected {label} = {want:.6g}, got {got:.6g}."
+                                  + _wire_mistake(values, cases))
     return [name for _, name in cases]
