@@ -24,6 +24,7 @@ import torch
 
 from mhc_lab.bench.common import N
 from mhc_lab.bench.copy_floor import copy_floor_counts, copy_floor_plan
+from mhc_lab.bench.host import where
 from mhc_lab.bench.stack import PROFILED, STACK_KINDS, plain_of
 from mhc_lab.course.training_recorded import (
     BLOCK_IMPLEMENTATIONS, CHAINED_KERNEL_ELEMENTS, SITE_IMPLEMENTATIONS, kernel_label,
@@ -512,17 +513,6 @@ def measure_stack_live(shapes, *, kinds=("residual", "mhc_kernels"), layers: int
     return {"device": torch.cuda.get_device_name(), "stack": {"shapes": out}}
 
 
-def _where(key) -> str:
-    """cProfile's (file, line, function) as a short place: the path from site-packages or mhc_lab on."""
-    path, line, name = key
-    if path == "~":
-        return name
-    path = path.split("site-packages/")[-1]
-    if "/mhc_lab/" in path:
-        path = "mhc_lab/" + path.split("/mhc_lab/")[-1]
-    return f"{path}:{line}({name})"
-
-
 def profile_host_cpu(*, width: int = 64, tokens: int = 32, layers: int = 8, steps: int = 3) -> dict:
     """On the CPU, the stack of mhc_lab.bench.stack, tiny (``tokens`` x ``width``, bf16), plain and as
     MHCResidualStream with the reference backend, trained one step at a time: ms per step of each (wall clock
@@ -558,7 +548,7 @@ def profile_host_cpu(*, width: int = 64, tokens: int = 32, layers: int = 8, step
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     out["functions"] = [{"us": v[2] / steps * 1e6, "cumulative_us": v[3] / steps * 1e6, "calls": v[1] / steps,
-                         "function": _where(k)} for k, v in stats.items() if k[0] != __file__]  # step() is ours
+                         "function": where(k)} for k, v in stats.items() if k[0] != __file__]  # step() is ours
     return out
 
 
