@@ -145,12 +145,13 @@ def test_pre_backward_kernels_c_target(n, C, tokens, link):
     coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", add_dx=link == "dx_post",
                                                post_grad=link == "post_grad")
     nan = float("nan")
-    dpre, dlogit, dmix, extra = (torch.full((tokens, k), nan) for k in (n, m, m, 4))
+    dpre, dtok, dmix = (torch.full((tokens, k), nan) for k in (n, m + 4, m))
     coefficients(x.float(), dy.float(), partial, bias.float(), alpha.float(), dpost.float(), dres.float(),
-                 dpre, dlogit, dmix, extra)
+                 dpre, dtok, dmix)
     dx, dphi = torch.full(x.shape, nan), torch.full((1, m, n * C), nan)
     lanes_in = {"separate": [], "dx_post": [g.float()], "post_grad": [g.float(), res.float()]}[link]
-    lanes(x.float(), dy.float(), pre, dmix, extra, phi.float(), *lanes_in, dx, dphi)
+    lanes(x.float(), dy.float(), pre, dmix, dtok, phi.float(), *lanes_in, dx, dphi)
+    dlogit, extra = dtok[:, :m], dtok[:, m:]  # per token: the bias gradient, then alpha's and ds
     assert _relmax(dx, want_dx) < 1e-5
     assert _relmax(dphi[0], want.phi) < 1e-5
     assert _relmax(dlogit.sum(0), want.bias) < 1e-5
@@ -946,13 +947,20 @@ def test_eager_path_and_custom_ops_give_the_same_bits(backend, dtype, device):
 @pytest.mark.parametrize("backend", ["reference", "kernels"])
 def test_compiled_stream_traces_once_for_every_step(backend):
     """torch.compile takes a training loop's stream whole: one graph (no break at the sites' ops), and the
-    steps after the first run it without compiling again."""
+    steps after the first run it without compiling again. The kernels backend's sites are the mhc_lab custom
+    ops in that graph; the reference backend's are its PyTorch math, traced (no op of ours, no value check)."""
     from torch._dynamo.utils import counters
 
     stream = _stream(None, backend, layers=3)
     torch._dynamo.reset()
     counters.clear()
-    run = torch.compile(stream)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    run = torch.compile(stream, backend=record)
     for step in range(3):
         stream.zero_grad(set_to_none=True)
         h = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(step), requires_grad=True)
@@ -961,6 +969,12 @@ def test_compiled_stream_traces_once_for_every_step(backend):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"] and not counters["recompiles"], (dict(counters["graph_break"]),
                                                                        dict(counters["recompiles"]))
+    ours = {str(node.target) for gm in graphs for node in gm.graph.nodes
+            if getattr(node.target, "namespace", None) == "mhc_lab"}
+    if backend == "kernels":
+        assert ours == {"mhc_lab.pre_forward.default", "mhc_lab.post_forward_linked.default"}, ours
+    else:
+        assert not ours and any("sigmoid" in str(node.target) for gm in graphs for node in gm.graph.nodes), ours
 
 
 def test_ops_refuse_bad_input_clearly():
@@ -1037,12 +1051,12 @@ def test_cuda_spread_coefficient_kernels_match_the_fused_one(n, C, tokens):
     outs = {}
     for name, coefficients in kernels.items():
         f32 = dict(dtype=torch.float32, device="cuda")
-        got = [torch.full((tokens, k), float("nan"), **f32) for k in (n, m, m, 4)]
+        dpre, dtok, dmix = (torch.full((tokens, k), float("nan"), **f32) for k in (n, m + 4, m))
         dsplit = torch.full((tokens, 3, 2 * gemm_depth(n)), float("nan"), dtype=torch.bfloat16, device="cuda")
         coef = torch.full((tokens, coef_width(n)), float("nan"), **f32)
-        coefficients(x, dy, partial, bias.float(), alpha.float(), dpost.float(), dres.float(), pre, *got, dsplit,
-                     coef)
-        outs[name] = got + [dsplit, coef]
+        coefficients(x, dy, partial, bias.float(), alpha.float(), dpost.float(), dres.float(), pre, dpre, dtok, dmix,
+                     dsplit, coef)
+        outs[name] = [dpre, dtok[:, :m], dmix, dtok[:, m:], dsplit, coef]  # dtok: dlogit, then extra
     groups = {"pre": slice(0, n), "post": slice(n, 2 * n), "res": slice(2 * n, m)}
     if n == 1:  # one lane's 1 x 1 Sinkhorn is constant: its gradient is zero up to rounding
         del groups["res"]

@@ -547,11 +547,12 @@ def test_cuda_projection_and_kernel_1_in_the_tiles_of_99_kb_gpus_match_float64(m
     pre = mhc_coefficients(x.double(), phi, bias, alpha).pre.float().contiguous()
     outs = {}
     for name, kernel in (("99 KB tiles", tiled), ("own tiles", own)):
-        got = [torch.full((tokens, k), float("nan"), device="cuda") for k in (n, m, m, 4)]
+        dpre, dtok, dmix = (torch.full((tokens, k), float("nan"), device="cuda") for k in (n, m + 4, m))
         dsplit = torch.full((tokens, 3, 2 * gemm_depth(n)), float("nan"), dtype=torch.bfloat16, device="cuda")
         coef = torch.full((tokens, coef_width(n)), float("nan"), device="cuda")
-        kernel(x, dy, partial, bias.float(), alpha.float(), dpost.float(), dres.float(), pre, *got, dsplit, coef)
-        outs[name] = got + [dsplit, coef]
+        kernel(x, dy, partial, bias.float(), alpha.float(), dpost.float(), dres.float(), pre, dpre, dtok, dmix, dsplit,
+               coef)
+        outs[name] = [dpre, dtok[:, :m], dmix, dtok[:, m:], dsplit, coef]  # dtok: dlogit, then extra
     tiled_outs = outs["99 KB tiles"]
     assert _relmax(tiled_outs[0], torch.einsum("tc,tjc->tj", dy.double(), x.double())) < 1e-5
     want = pre_backward(*(t.double() for t in (x, phi, bias, alpha, dy, dpost, dres)))

@@ -105,6 +105,13 @@ def test_logits_loss_and_every_gradient_match_the_unpatched_model(runs):
             torch.testing.assert_close(grads_p[name], grads_u[name], rtol=1e-4, atol=1e-5 * largest,
                                        msg=lambda m, name=name: f"{name}: {m}")
         return
+    _assert_bfloat16_close((logits_u, loss_u, grads_u), (logits_p, loss_p, grads_p), truth)
+
+
+def _assert_bfloat16_close(plain, patched, truth):
+    """bfloat16 lanes: the patched model within the unpatched model's own bfloat16 rounding (truth: the
+    unpatched model's float32 copy)."""
+    (logits_u, loss_u, grads_u), (logits_p, loss_p, grads_p) = plain, patched
     logits_t, _, grads_t = truth
     assert (logits_p - logits_u).abs().max() <= 4 * BF16_EPS * logits_u.abs().max()
     assert (logits_p - logits_t).abs().max() <= 2 * (logits_u - logits_t).abs().max()
@@ -115,6 +122,24 @@ def test_logits_loss_and_every_gradient_match_the_unpatched_model(runs):
         assert apart <= 2 * own_error + 16 * BF16_EPS * g_t.norm(), (
             f"{name}: |patched - unpatched| {apart:.3g}, the unpatched model's distance from float32 {own_error:.3g}, "
             f"|gradient| {g_t.norm():.3g}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the GPU programs run only there")
+def test_on_a_gpu_the_fused_kernels_train_the_bfloat16_model():
+    """On CUDA, bfloat16: backend "auto" takes the fused GPU kernels for both sites of every layer (the
+    profiler sees them), and the patched model stays within the unpatched model's own bfloat16 rounding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, ids = tiny_model(torch.bfloat16).cuda(), token_ids().cuda()
+    truth = step(copy.deepcopy(model).float(), ids)
+    plain = step(model, ids)
+    with use_mhc_lab(model):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            patched = step(model, ids)
+    names = {event.key for event in prof.key_averages()}
+    assert any("post_project" in name for name in names) and any("lanes_backward" in name for name in names), (
+        sorted(names))
+    _assert_bfloat16_close(plain, patched, truth)
 
 
 def test_the_fused_kernels_run_the_sites_too():

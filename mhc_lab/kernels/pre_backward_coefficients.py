@@ -68,7 +68,9 @@ def fused_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
     Arguments: x [T, n, C], dy [T, C], partial [splits, T, n^2+2n+1] f32 (the forward's raw projections and sum
     of squares, summed over splits), bias, alpha, dpost [T, n] f32, dres [T, n, n] f32, (CUDA only: pre [T, n]
-    f32); outputs dpre [T, n], dlogit [T, n^2+2n], dmix [T, n^2+2n], extra [T, 4] (all f32), and on CUDA
+    f32); outputs dpre [T, n], dtok [T, n^2+2n+4] (per token: dlogit, the bias gradient, then extra, the three
+    alpha gradients and ds, the gradient of sum(x^2): one buffer, so that one sum over tokens gives bias's and
+    alpha's gradients), dmix [T, n^2+2n] (all f32), and on CUDA
     kernel 2's operands dsplit [T, 3, 2 gemm_depth(n)] bf16 and coef [T, coef_width(n)] f32.
 
     CUDA: a CTA of 256 threads owns 64 tokens and streams their x and dy in [64 x BC] tiles (two stages) for
@@ -91,7 +93,7 @@ def fused_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: 
 
     @T.macro
     def per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, kept, dlogit_l,
-                  dmix_l, extra_l, dpre, dlogit, dmix, extra):
+                  dmix_l, extra_l, dpre, dtok, dmix):
         gather(partial, tok, mix)
         for i in T.unroll(n):
             dpost_l[i] = dpost[tok, i]
@@ -101,10 +103,10 @@ def fused_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: 
         for i in T.unroll(n):
             dpre[tok, i] = dpre_l[i]
         for q in T.unroll(M):
-            dlogit[tok, q] = dlogit_l[q]
+            dtok[tok, q] = dlogit_l[q]
             dmix[tok, q] = dmix_l[q]
         for q in T.unroll(EXTRA):
-            extra[tok, q] = extra_l[q]
+            dtok[tok, M + q] = extra_l[q]
 
     if t == "c":
         dpre_row = _dpre_row_macro(n, C)
@@ -115,14 +117,13 @@ def fused_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: 
             partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
             alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
             dres: T.Tensor((NT, n, n), "float32"), dpre: T.Tensor((NT, n), "float32"),
-            dlogit: T.Tensor((NT, M), "float32"), dmix: T.Tensor((NT, M), "float32"),
-            extra: T.Tensor((NT, EXTRA), "float32"),
+            dtok: T.Tensor((NT, M + EXTRA), "float32"), dmix: T.Tensor((NT, M), "float32"),
         ):
             with T.Kernel(NT) as tok:
                 mix, dpre_l, dpost_l, dres_l, comb, dcomb, kept, dlogit_l, dmix_l, extra_l = token_scratch()
                 dpre_row(x, dy, tok, dpre_l)
                 per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb, kept,
-                          dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
+                          dlogit_l, dmix_l, extra_l, dpre, dtok, dmix)
 
         return coefficients_backward_c
 
@@ -153,8 +154,8 @@ def fused_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: 
         partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
         alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
         dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
-        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
-        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+        dpre: T.Tensor((NT, n), "float32"), dtok: T.Tensor((NT, M + EXTRA), "float32"),
+        dmix: T.Tensor((NT, M), "float32"),
         dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
     ):
         with T.Kernel(T.ceildiv(NT, BT), threads=threads) as b:
@@ -190,7 +191,7 @@ def fused_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     for j in T.unroll(n):
                         dpre_l[j] = sums_s[tx, j]
                     per_token(tok, partial, bias, alpha, dpre_l, dpost, dres, mix, dpost_l, dres_l, comb, dcomb,
-                              kept, dlogit_l, dmix_l, extra_l, dpre, dlogit, dmix, extra)
+                              kept, dlogit_l, dmix_l, extra_l, dpre, dtok, dmix)
                     lane_operands(tok, dmix_l, extra_l, pre, dsplit, coef)
 
     return coefficients_backward_cuda
@@ -250,7 +251,7 @@ def spread_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target:
                                 splits: int = 1):
     """The second kernel of the spread kernel 1 (CUDA, n a power of two): each token's coefficient backward over
     P = n R threads of one warp (``spread_layout``), 128 threads per CTA, after dpre_program. Arguments partial,
-    bias, alpha, dpost, dres, pre, dpre (dH_pre, an input here), then the outputs dlogit, dmix, extra, dsplit and
+    bias, alpha, dpost, dres, pre, dpre (dH_pre, an input here), then the outputs dtok, dmix, dsplit and
     coef, as fused_coefficients_program's."""
     t = _check("pre backward (coefficients)", n, C, dtype, target)
     if t == "c":
@@ -269,7 +270,7 @@ def spread_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target:
     split_entry, coef_entry = kernel2_operand_macros(n)
 
     @T.macro
-    def spread_tokens(partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef):
+    def spread_tokens(partial, bias, alpha, dpost, dres, pre, dpre, dtok, dmix, dsplit, coef):
         with T.Kernel(T.ceildiv(dpre.shape[0], TPC), threads=threads) as b:
             dmix_s = T.alloc_shared((TPC, M), "float32")
             kept = T.alloc_shared((spread.kept_count, threads), "float32")
@@ -281,26 +282,26 @@ def spread_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target:
             tok = T.min(token, dpre.shape[0] - 1)  # every thread of a warp runs the shuffles; stores are guarded
             spread.backward(tok, g, tx, partial, bias, alpha, dpre, dpost, dres, mx, c, dc, line, kept, pp, red)
             r = red[3]
-            # the gradient of sum(x^2): kept in extra, and doubled in coef
+            # the gradient of sum(x^2): kept in dtok's last column, and doubled in coef
             ds = ((alpha[0] * red[0] + alpha[1] * red[1] + alpha[2] * red[2]) * T.float32(-0.5) * r * r * r
                   / T.float32(n * C))
             if token < dpre.shape[0]:
                 for e in T.unroll(E):
                     q = 2 * n + layout.row(g, e) * n + layout.column(g)
-                    dlogit[tok, q] = dc[e]
+                    dtok[tok, q] = dc[e]
                     dmix[tok, q] = dc[e] * (alpha[2] * r)
                     dmix_s[slot, q] = dc[e] * (alpha[2] * r)
                 for p in T.unroll(M2):
                     q = layout.gate(g, p)
                     if q < 2 * n:
                         d = pp[p] * (T.if_then_else(q < n, alpha[0], alpha[1]) * r)
-                        dlogit[tok, q] = pp[p]
+                        dtok[tok, q] = pp[p]
                         dmix[tok, q] = d
                         dmix_s[slot, q] = d
                 if g == 0:
                     for i in T.unroll(3):
-                        extra[tok, i] = red[i] * r
-                    extra[tok, 3] = ds
+                        dtok[tok, M + i] = red[i] * r
+                    dtok[tok, M + 3] = ds
             T.sync_threads()
             if token < dpre.shape[0]:
                 # kernel 2's operands, spread over the token's threads
@@ -316,11 +317,11 @@ def spread_coefficients_program(n: int, C: int, dtype: str = "bfloat16", target:
         partial: T.Tensor((S, NT, M + 1), "float32"), bias: T.Tensor((M,), "float32"),
         alpha: T.Tensor((3,), "float32"), dpost: T.Tensor((NT, n), "float32"),
         dres: T.Tensor((NT, n, n), "float32"), pre: T.Tensor((NT, n), "float32"),
-        dpre: T.Tensor((NT, n), "float32"), dlogit: T.Tensor((NT, M), "float32"),
-        dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+        dpre: T.Tensor((NT, n), "float32"), dtok: T.Tensor((NT, M + EXTRA), "float32"),
+        dmix: T.Tensor((NT, M), "float32"),
         dsplit: T.Tensor((NT, 3, K2), "bfloat16"), coef: T.Tensor((NT, CP), "float32"),
     ):
-        spread_tokens(partial, bias, alpha, dpost, dres, pre, dpre, dlogit, dmix, extra, dsplit, coef)
+        spread_tokens(partial, bias, alpha, dpost, dres, pre, dpre, dtok, dmix, dsplit, coef)
 
     return coefficients_backward_tokens
 
@@ -337,8 +338,8 @@ def coefficient_programs(n: int, C: int, dtype: str = "bfloat16", target: str = 
 
 def coefficients_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *, splits: int = 1):
     """Kernel 1 compiled (coefficient_programs), as one function with fused_coefficients_program's arguments
-    whichever form runs: ``coefficients(x, dy, partial, bias, alpha, dpost, dres, [pre,] dpre, dlogit, dmix,
-    extra[, dsplit, coef])`` (pre, dsplit and coef on CUDA only)."""
+    whichever form runs: ``coefficients(x, dy, partial, bias, alpha, dpost, dres, [pre,] dpre, dtok, dmix[,
+    dsplit, coef])`` (pre, dsplit and coef on CUDA only)."""
     t = canonical_target(target)
     programs = coefficient_programs(n, C, dtype, t, splits=splits)
     if len(programs) == 1:

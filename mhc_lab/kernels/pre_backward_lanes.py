@@ -59,19 +59,19 @@ def _present(*buffers) -> list:
     return out
 
 
-def _lane_dx_c(x, dy, pre, dmix, extra, phi, tok, j, col, M: int, C: int):
+def _lane_dx_c(x, dy, pre, dmix, dtok, phi, tok, j, col, M: int, C: int):
     """dx of lane j at one token and column, float32 (C target): the projection's term
     sum_q dmix[q] phi[q, jC + col], H_pre[j] dy and the norm's 2 ds x; without the post's gradient."""
     return sum([dmix[tok, q] * phi[q, j * C + col] for q in range(M)],
                pre[tok, j] * T.cast(dy[tok, col], "float32")
-               + T.float32(2) * extra[tok, 3] * T.cast(x[tok, j, col], "float32"))
+               + T.float32(2) * dtok[tok, M + 3] * T.cast(x[tok, j, col], "float32"))
 
 
 def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", *,
                                add_dx: bool = False, post_grad: bool = False, splits: int = 1,
                                hopper: bool | None = None):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
-    extra [T, 4] f32, phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
+    dtok [T, n^2+2n+4] f32 (its last column ds), phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
     Then (add_dx) dx_post [T, n, C], the linked post's gradient of the lanes, added to dx in the same pass, or
     (post_grad) the linked post's output gradient g [T, n, C] and its res [T, n, n] f32, of which H_res^T g is
     added (so the post's backward need not write dx; each CTA then holds all n lanes, since each lane's dx takes
@@ -103,7 +103,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
         BCc = 8
 
         @T.macro
-        def body(x, dy, pre, dmix, extra, phi, dx_post, g, res, dx, dphi_partial):
+        def body(x, dy, pre, dmix, dtok, phi, dx_post, g, res, dx, dphi_partial):
             with T.Kernel(T.ceildiv(C, BCc)) as bc:
                 acc = T.alloc_local((1,), "float32")
                 for cc in T.serial(BCc):
@@ -111,7 +111,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                     if col < C:
                         for j in T.serial(n):
                             for tok in T.serial(NT):
-                                v = _lane_dx_c(x, dy, pre, dmix, extra, phi, tok, j, col, M, C)
+                                v = _lane_dx_c(x, dy, pre, dmix, dtok, phi, tok, j, col, M, C)
                                 if dx_post is not None:
                                     v = v + T.cast(dx_post[tok, j, col], "float32")
                                 if g is not None:
@@ -128,11 +128,11 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             @T.prim_func
             def lanes_backward_c_add(
                 x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
-                dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+                dmix: T.Tensor((NT, M), "float32"), dtok: T.Tensor((NT, M + EXTRA), "float32"),
                 phi: T.Tensor((M, K), "float32"), dx_post: T.Tensor((NT, n, C), dtype),
                 dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
             ):
-                body(x, dy, pre, dmix, extra, phi, dx_post, None, None, dx, dphi_partial)
+                body(x, dy, pre, dmix, dtok, phi, dx_post, None, None, dx, dphi_partial)
 
             return lanes_backward_c_add
 
@@ -141,22 +141,22 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
             @T.prim_func
             def lanes_backward_c_post_grad(
                 x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
-                dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+                dmix: T.Tensor((NT, M), "float32"), dtok: T.Tensor((NT, M + EXTRA), "float32"),
                 phi: T.Tensor((M, K), "float32"), g: T.Tensor((NT, n, C), dtype), res: T.Tensor((NT, n, n), "float32"),
                 dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
             ):
-                body(x, dy, pre, dmix, extra, phi, None, g, res, dx, dphi_partial)
+                body(x, dy, pre, dmix, dtok, phi, None, g, res, dx, dphi_partial)
 
             return lanes_backward_c_post_grad
 
         @T.prim_func
         def lanes_backward_c(
             x: T.Tensor((NT, n, C), dtype), dy: T.Tensor((NT, C), dtype), pre: T.Tensor((NT, n), "float32"),
-            dmix: T.Tensor((NT, M), "float32"), extra: T.Tensor((NT, EXTRA), "float32"),
+            dmix: T.Tensor((NT, M), "float32"), dtok: T.Tensor((NT, M + EXTRA), "float32"),
             phi: T.Tensor((M, K), "float32"),
             dx: T.Tensor((NT, n, C), dtype), dphi_partial: T.Tensor((1, M, K), "float32"),
         ):
-            body(x, dy, pre, dmix, extra, phi, None, None, None, dx, dphi_partial)
+            body(x, dy, pre, dmix, dtok, phi, None, None, None, dx, dphi_partial)
 
         return lanes_backward_c
 

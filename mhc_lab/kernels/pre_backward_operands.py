@@ -8,7 +8,7 @@ fed by copies alone is one its pipeline can prefetch):
     dsplit [T, 3, 2 KH] bf16   row 0 [dmix_hi | dmix_hi], row 1 [dmix_lo | 0], row 2 [dmix_hi | dmix_lo]
     coef   [T, coef_width(n)]  H_pre per lane, then 2 ds (ds: the gradient of sum(x^2)), then zeros
 
-KH = gemm_depth(n) is the GEMMs' K per half. extra [T, EXTRA] are kernel 1's other per-token outputs.
+KH = gemm_depth(n) is the GEMMs' K per half. dtok [T, n^2+2n+EXTRA] holds kernel 1's per-token dlogit and extras.
 """
 
 

@@ -151,16 +151,17 @@ def _(x, phi, bias, alpha, backend, partial_in=None):
 
 def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, *, add_dx: bool, post_grad: bool):
     """Kernel 1 of the pre backward run on x's device (kernels backend), and kernel 2 built for what follows
-    it: (lanes, its leading operands, dlogit, extra, dphi_partial). The leading operands are x and dy, kernel
-    1's outputs as kernel 2 takes them (CUDA: dsplit and coef; C target: H_pre, dmix and extra, in float32) and
-    phi; dphi_partial is kernel 2's dphi output in its layout (zeros when there are no tokens; _parameter_grads
-    sums it)."""
+    it: (lanes, its leading operands, dtok, dphi_partial). The leading operands are x and dy, kernel 1's outputs
+    as kernel 2 takes them (CUDA: dsplit and coef; C target: H_pre, dmix and dtok, in float32) and phi; dtok is
+    kernel 1's per-token [dlogit, alpha's three gradients, ds]; dphi_partial is kernel 2's dphi output in its
+    layout (zeros when there are no tokens; _parameter_grads sums both)."""
     from mhc_lab.kernels.pre_backward import pre_backward_kernels
+    from mhc_lab.kernels.pre_backward_operands import EXTRA
 
     tokens, n, C = x.shape
     m = mixes_width(n)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dpre, dlogit, dmix, extra = (torch.empty((tokens, k), **f32) for k in (n, m, m, 4))
+    dpre, dtok, dmix = (torch.empty((tokens, k), **f32) for k in (n, m + EXTRA, m))
     phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
     dpost, dres = dpost.float().contiguous(), dres.float().contiguous()
     alloc = torch.empty if tokens else torch.zeros
@@ -178,38 +179,41 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
         xc, dyc = x.contiguous(), dy.contiguous()
         if tokens:
             with cuda_guard(x):
-                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dlogit, dmix,
-                             extra, dsplit, coef)
+                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dtok, dmix,
+                             dsplit, coef)
         dphi_partial = alloc(dphi_partial_shape(splits, n, C), **f32)
-        return lanes, (xc, dyc, dsplit, coef, phi32), dlogit, extra, dphi_partial
+        return lanes, (xc, dyc, dsplit, coef, phi32), dtok, dphi_partial
     coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=add_dx,
                                                post_grad=post_grad)
     x32, dy32 = x.float().contiguous(), dy.float().contiguous()
     if tokens:
-        coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dlogit, dmix, extra)
-    return lanes, (x32, dy32, pre.contiguous(), dmix, extra, phi32), dlogit, extra, alloc((1, m, n * C), **f32)
+        coefficients(x32, dy32, partial, bias32, alpha32, dpost, dres, dpre, dtok, dmix)
+    return lanes, (x32, dy32, pre.contiguous(), dmix, dtok, phi32), dtok, alloc((1, m, n * C), **f32)
 
 
-def _parameter_grads(dphi_partial, dlogit, extra, n: int, phi, bias, alpha) -> tuple:
-    """(dphi, dbias, dalpha) from kernel 2's dphi partial sums (CUDA's split layout, or the C target's one row
-    of them) and kernel 1's per-token dlogit and extra, summed over the tokens."""
+def _parameter_grads(dphi_partial, dtok, n: int, phi) -> tuple:
+    """(dphi, dbias_alpha) from kernel 2's dphi partial sums (CUDA's split layout, or the C target's one row of
+    them) and kernel 1's per-token dtok, summed over the tokens in one reduction (its columns: bias's gradient,
+    alpha's, then ds)."""
     from mhc_lab.kernels.pre_backward_lanes import dphi_from_partial
 
     dphi = dphi_from_partial(dphi_partial, n) if dphi_partial.device.type == "cuda" else dphi_partial.sum(0)
-    # extra's four columns summed whole, then cut: its three-column slice is strided, and torch summed it in two
-    # thread blocks (11 us at 16384 tokens on the H200)
-    return dphi.to(phi.dtype), dlogit.sum(0).to(bias.dtype), extra.sum(0)[:3].to(alpha.dtype)
+    return dphi.to(phi.dtype), dtok.sum(0)
 
 
 @no_autocast
 def pre_backward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, pre: torch.Tensor,
                  partial: torch.Tensor, res: torch.Tensor, dy: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor,
                  dx_post: Optional[torch.Tensor], backend: str, post_grad: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dphi, dbias, dalpha) of pre_forward, given the gradients of y, post and res, and dx_post, the
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dphi, dbias_alpha) of pre_forward, given the gradients of y, post and res, and dx_post, the
     gradient of link when a post_forward_linked used it (the post's gradient of the lanes), added to dx. With
     post_grad, dx_post is instead the linked post's output gradient g, and H_res^T g is added (computed here,
-    in the pass that writes dx, so that the post's backward need not write it)."""
+    in the pass that writes dx, so that the post's backward need not write it).
+
+    dbias_alpha [n^2+2n+4], in the coefficients' dtype: bias's gradient, alpha's, then one entry no parameter
+    takes (the tokens' summed ds): the kernels sum them over the tokens in one reduction, and an op's outputs
+    may not share memory, so the pre's autograd formula (_pre_backward) cuts it."""
     tokens, n, C = x.shape
     linked = dx_post is not None
     post_grad = post_grad and linked
@@ -220,10 +224,11 @@ def pre_backward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, al
         if post_grad:
             dx_post = torch.einsum("tij,tic->tjc", res.to(cd), dx_post.to(cd))
         dx = grads.x + dx_post.to(cd) if linked else grads.x
-        return tuple(t.to(leaf.dtype).contiguous() for t, leaf in zip((dx, *grads[1:]), (x, phi, bias, alpha)))
+        dbias_alpha = torch.cat([grads.bias.to(cd), grads.alpha.to(cd), grads.alpha.new_zeros(1, dtype=cd)])
+        return dx.to(x.dtype).contiguous(), grads.phi.to(phi.dtype).contiguous(), dbias_alpha
     dx = torch.empty_like(x)
-    lanes, lead, dlogit, extra, dphi_partial = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost,
-                                                                       dres, add_dx=add_dx, post_grad=post_grad)
+    lanes, lead, dtok, dphi_partial = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres,
+                                                              add_dx=add_dx, post_grad=post_grad)
     if tokens:
         cuda = x.device.type == "cuda"
         work = x.dtype if cuda else torch.float32  # the C target computes in float32
@@ -235,7 +240,7 @@ def pre_backward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, al
             lanes(*lead, *more, out, dphi_partial)
         if out is not dx:
             dx.copy_(out)
-    return (dx, *_parameter_grads(dphi_partial, dlogit, extra, n, phi, bias, alpha))
+    return (dx, *_parameter_grads(dphi_partial, dtok, n, phi))
 
 
 pre_backward = torch.library.custom_op("mhc_lab::pre_backward", pre_backward_impl, mutates_args=())
@@ -243,7 +248,8 @@ pre_backward = torch.library.custom_op("mhc_lab::pre_backward", pre_backward_imp
 
 @pre_backward.register_fake
 def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, backend, post_grad=False):
-    return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
+    m = mixes_width(x.shape[1])
+    return torch.empty_like(x), torch.empty_like(phi), x.new_empty((m + 4,), dtype=coefficient_dtype(x))
 
 
 def _pre_setup_context(ctx, inputs, output):
@@ -272,10 +278,11 @@ def _pre_backward(ctx, dy, dpost, dres, _dpre, _dpartial, dlink):
     x, phi, bias, alpha, pre, partial, res = ctx.saved_tensors
     dx_post = None if dlink is None else dlink.contiguous()
     backward = pre_backward if ctx.as_ops else pre_backward_impl
-    dx, dphi, dbias, dalpha = backward(x, phi, bias, alpha, pre, partial, res,
-                                       *_pre_output_grads(x, pre, dy, dpost, dres), dx_post, ctx.backend,
-                                       ctx.post_grad)
-    return dx, dphi, dbias, dalpha, None, None
+    dx, dphi, dbias_alpha = backward(x, phi, bias, alpha, pre, partial, res,
+                                     *_pre_output_grads(x, pre, dy, dpost, dres), dx_post, ctx.backend,
+                                     ctx.post_grad)
+    m = bias.shape[0]
+    return dx, dphi, dbias_alpha[:m].to(bias.dtype), dbias_alpha[m:m + 3].to(alpha.dtype), None, None
 
 
 pre_forward.register_autograd(_pre_backward, setup_context=_pre_setup_context)
@@ -500,22 +507,43 @@ def as_ops() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+def traces_reference(backend: str) -> bool:
+    """Whether torch.compile is tracing the reference backend: the site is then the reference math itself, in
+    PyTorch ops that Dynamo traces and Inductor fuses (and autograd differentiates), not an opaque op that runs
+    the same thousands of small kernels as eager does. Inside a recompute block those ops are kept, not
+    recomputed (recompute_policy recomputes the mhc_lab ops, which the kernels backend runs)."""
+    return backend == "reference" and torch.compiler.is_compiling()
+
+
+@no_autocast
+def _traced_reference_pre(x, phi, bias, alpha):
+    co = mhc_coefficients(x, phi, bias, alpha)  # no value checks while compiling (validate.checking_values)
+    return reference_pre(x, co.pre), co.post, co.res, co.pre, _no_partial(x), _link(x)
+
+
 def run_pre_forward(x, phi, bias, alpha, backend: str, partial_in=None):
-    """pre_forward, eagerly or as the op (as_ops)."""
+    """pre_forward, eagerly or as the op (as_ops); traced where torch.compile traces the reference."""
+    if traces_reference(backend):
+        return _traced_reference_pre(x, phi, bias, alpha)
     if as_ops():
         return pre_forward(x, phi, bias, alpha, backend, partial_in)
     return _EagerPre.apply(x, phi, bias, alpha, backend, partial_in)
 
 
 def run_post_forward(x, f, post, res, backend: str):
-    """post_forward, eagerly or as the op (as_ops)."""
+    """post_forward, eagerly or as the op (as_ops); traced where torch.compile traces the reference."""
+    if traces_reference(backend):
+        return no_autocast(reference_post)(x, f, post, res)
     if as_ops():
         return post_forward(x, f, post, res, backend)
     return _EagerPost.apply(x, f, post, res, backend)
 
 
 def run_post_forward_linked(x, link, f, post, res, backend: str, phi_next=None):
-    """post_forward_linked, eagerly or as the op (as_ops)."""
+    """post_forward_linked, eagerly or as the op (as_ops). Where torch.compile traces the reference, the next
+    lanes from x itself (autograd sums the lanes' two gradients) and no partial: the traced pre projects."""
+    if traces_reference(backend):
+        return no_autocast(reference_post)(x, f, post, res), _no_partial(x)
     if as_ops():
         return post_forward_linked(x, link, f, post, res, backend, phi_next)
     return _EagerPostLinked.apply(x, link, f, post, res, backend, phi_next)

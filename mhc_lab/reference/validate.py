@@ -113,8 +113,9 @@ def require_finite(name: str, value: torch.Tensor) -> torch.Tensor:
 
 
 def checking_values() -> bool:
-    """Whether the reference functions check values here: True, except inside skipping_value_checks()."""
-    return _VALUE_CHECKS.get()
+    """Whether the reference functions check values here: True, except inside skipping_value_checks() and
+    while torch.compile traces them (a value read back would break the graph)."""
+    return not torch.compiler.is_compiling() and _VALUE_CHECKS.get()
 
 
 @contextlib.contextmanager
@@ -122,7 +123,11 @@ def skipping_value_checks():
     """The reference math without its value checks, for mhc_lab.ops: a value check reads a value back to the
     host (a sync on every call, which also stops CUDA graphs and torch.compile), so the ops make none, and NaN
     or inf in their inputs comes out as NaN or inf. Shapes, dtypes and devices are still checked, and so is what
-    a function cannot compute from finite input (sinkhorn_paper's underflow)."""
+    a function cannot compute from finite input (sinkhorn_paper's underflow). While torch.compile traces, the
+    checks are off already (checking_values) and the switch is left alone: the tracer does not follow it."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     token = _VALUE_CHECKS.set(False)
     try:
         yield
