@@ -28,3 +28,22 @@ def test_stack_rows_are_the_recordings_figures_over_the_plain_stack_run_alike():
                     ["64 × 32, 2", "CUDA graph ms", "1.000", "1.500 (1.60x)", "-", "-"],
                     ["64 × 32, 2", "torch.compile, reduce-overhead, ms", "1.000", "1.250 (1.30x)", "-", "-"]]
     assert results.stack_rows({"results": {}}) == ([], [], "")
+
+
+def test_deepseek_v4_rows_are_the_recordings_figures_and_one_readme_row():
+    times = {"step": 10.0, "forward": 4.0, "forward_no_grad": 3.0}
+    shape = {"tokens": 64, "hidden": 32, "layers": 4,
+             "time_ms": {"unpatched": times, "patched": {k: v / 2 for k, v in times.items()}},
+             "patched_over_unpatched": {k: {"median": 0.5} for k in times},
+             "peak_memory_mib": {"unpatched": {k: 2048.0 for k in times}, "patched": {k: 1024.0 for k in times}},
+             "loss": {"unpatched": 5.5, "patched": 5.25}}
+    training = {"results": {"deepseek_v4": {"environment": {"gpu": "NVIDIA H200", "date": "2026-01-01"},
+                                            "shapes": [shape]}}}
+    header, rows, measured = results.deepseek_v4_rows(training)
+    assert len(header) == 6 and measured == "NVIDIA H200, 2026-01-01"
+    assert rows[0] == ["64 × 32, 4", "training step", "10.000", "5.000 (0.50x)", "2.00 / 1.00", "5.5000 / 5.2500"]
+    assert [r[1] for r in rows] == list(results.DEEPSEEK_V4_PASSES.values()) and rows[1][5] == ""
+    assert results.deepseek_v4_rows({"results": {}}) == ([], [], "")
+    readme = results.readme_table({"training_h200": training})
+    assert ("| DeepSeek-V4 training step (64 × 32, 4 layers), transformers / use_mhc_lab | 10.000 / 5.000 (0.50x) "
+            "ms | NVIDIA H200, 2026-01-01 |") in readme

@@ -110,16 +110,19 @@ def test_logits_loss_and_every_gradient_match_the_unpatched_model(runs):
 
 def _assert_bfloat16_close(plain, patched, truth):
     """bfloat16 lanes: the patched model within the unpatched model's own bfloat16 rounding (truth: the
-    unpatched model's float32 copy)."""
+    unpatched model's float32 copy). A gradient that is a sum of many terms that nearly cancel (the final
+    collapse's scale, say) carries the bfloat16 rounding of its terms, not of itself: each gradient's tolerance
+    takes the larger of its own size and the model's median gradient size."""
     (logits_u, loss_u, grads_u), (logits_p, loss_p, grads_p) = plain, patched
     logits_t, _, grads_t = truth
+    typical = torch.tensor([g.norm().item() for g in grads_t.values()]).median().item()
     assert (logits_p - logits_u).abs().max() <= 4 * BF16_EPS * logits_u.abs().max()
     assert (logits_p - logits_t).abs().max() <= 2 * (logits_u - logits_t).abs().max()
     torch.testing.assert_close(loss_p, loss_u, rtol=BF16_EPS, atol=0)
     for name, g_t in grads_t.items():
         apart = (grads_p[name] - grads_u[name]).norm()
         own_error = (grads_u[name] - g_t).norm()
-        assert apart <= 2 * own_error + 16 * BF16_EPS * g_t.norm(), (
+        assert apart <= 2 * own_error + 16 * BF16_EPS * max(g_t.norm().item(), typical), (
             f"{name}: |patched - unpatched| {apart:.3g}, the unpatched model's distance from float32 {own_error:.3g}, "
             f"|gradient| {g_t.norm():.3g}")
 

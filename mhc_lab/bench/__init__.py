@@ -4,14 +4,15 @@ command that made them; mhc_lab.measure.schemas documents every key).
     python -m mhc_lab.bench memory-wall [--out DIR]   lab 04: copy bandwidth, naive layers, launches
     python -m mhc_lab.bench tilelang [--out DIR]      lab 05: TileLang RMSNorm, residual add and copy vs eager
     python -m mhc_lab.bench forward [--parts ...]     labs 06, 08: fused mHC forward vs eager, compile, TileKernels
-    python -m mhc_lab.bench training [--parts ...]    labs 07, 08: site forward + backward, transformer block
+    python -m mhc_lab.bench training [--parts ...]    labs 07, 08: site forward + backward, transformer block,
+                                                      transformers' DeepSeek-V4 with and without our ops
     python -m mhc_lab.bench all [--out DIR]
     python -m mhc_lab.bench warm [--widths ...]       compile the kernels of the runs above in parallel first
     python -m mhc_lab.bench results [--check]         docs/results.md and the README's table from the recordings
 
 Modules: common.py (timer, copy bandwidth, inputs, graphs, rounds), memory_wall.py, tilelang.py, forward.py,
-training.py with site.py, block.py, copy_floor.py, kernels.py, host.py, portable.py and stack.py, warm.py,
-results.py.
+training.py with site.py, block.py, copy_floor.py, kernels.py, host.py, portable.py, stack.py and deepseek_v4.py,
+warm.py, results.py.
 """
 
 from __future__ import annotations

@@ -141,6 +141,37 @@ def stack_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
     return header, rows, _measured(stack)
 
 
+DEEPSEEK_V4_PASSES = {"step": "training step", "forward": "forward, autograd recording",
+                      "forward_no_grad": "forward, no grad"}
+
+
+def _mib_to_gib(value) -> str:
+    return "-" if value is None else f"{value / 1024:.2f}"
+
+
+def deepseek_v4_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
+    """transformers' DeepSeek-V4, unpatched and under use_mhc_lab: each pass's median time (and the ratio, median
+    of the rounds'), its peak memory, and the two losses."""
+    part = (training or {}).get("results", {}).get("deepseek_v4")
+    if not part:
+        return [], [], ""
+    header = ["shape (tokens × C), layers", "pass", "unpatched ms", "use_mhc_lab ms", "peak GiB: unpatched / ours",
+              "loss: unpatched / ours"]
+    rows = []
+    for shape in part["shapes"]:
+        where = f"{shape['tokens']} × {shape['hidden']}, {shape['layers']}"
+        loss = shape.get("loss", {})
+        losses = " / ".join("-" if loss.get(k) is None else f"{loss[k]:.4f}" for k in ("unpatched", "patched"))
+        for name, label in DEEPSEEK_V4_PASSES.items():
+            times = [shape.get("time_ms", {}).get(kind, {}).get(name) for kind in ("unpatched", "patched")]
+            ratio = (shape.get("patched_over_unpatched", {}).get(name) or {}).get("median")
+            peaks = [((shape.get("peak_memory_mib") or {}).get(kind) or {}).get(name)
+                     for kind in ("unpatched", "patched")]
+            rows.append([where, label, _ms(times[0]), _ms(times[1]) + (f" ({ratio:.2f}x)" if ratio else ""),
+                         " / ".join(_mib_to_gib(p) for p in peaks), losses if name == "step" else ""])
+    return header, rows, _measured(part)
+
+
 def results_markdown(recordings: dict) -> str:
     forward, training = recordings.get("forward_h200"), recordings.get("training_h200")
     out = ["# Results", "",
@@ -164,6 +195,12 @@ def results_markdown(recordings: dict) -> str:
          "as a user's loop runs it: launched op by op from Python (the host's time included), as a CUDA graph (the "
          "GPU's time alone), and compiled by torch.compile in its reduce-overhead mode (CUDA graphs of its own). "
          "In parentheses: over the plain stack run alike."),
+        ("DeepSeek-V4 in transformers, with and without use_mhc_lab", deepseek_v4_rows(training),
+         "A small random DeepSeek-V4 (`python -m mhc_lab.bench training --parts deepseek_v4`: n = 4, attention of "
+         "its three kinds, a few small experts per MoE layer, bf16) as transformers runs it, and with both mHC sites "
+         "of every decoder layer run by our ops (`mhc_lab.integrations.transformers.use_mhc_lab`), on the same "
+         "weights and tokens. Each pass launched from Python; in parentheses, ours over transformers' own (median "
+         "of interleaved rounds). Peak memory includes the weights."),
         ("mHC on a transformer block", block_rows(training),
          "Attention + 4C MLP, 16384 tokens, forward + backward; overheads are the median over interleaved rounds. "
          "The copy floor is the plain block plus device-to-device copies of the bytes mHC moves beyond it."),
@@ -194,6 +231,11 @@ def readme_table(recordings: dict) -> str:
     if launched:
         lines.append(f"| training step of {launched[0]} MLP layers, launched: plain / ours / TileKernels | "
                      f"{' / '.join(c.split(' ')[0] for c in launched[2:5])} ms | {measured} |")
+    _, rows, measured = deepseek_v4_rows(training)
+    step = next((r for r in rows if r[1] == DEEPSEEK_V4_PASSES["step"]), None)
+    if step:
+        lines.append(f"| DeepSeek-V4 training step ({step[0]} layers), transformers / use_mhc_lab | "
+                     f"{step[2]} / {step[3]} ms | {measured} |")
     header, rows, measured = block_rows(training)
     ours = next((r for r in rows if r[0] == BLOCK_KINDS["mhc_ours"]), None)
     if ours:

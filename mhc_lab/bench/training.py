@@ -4,6 +4,7 @@
     python -m mhc_lab.bench training --parts site --shapes 16384x4096 --no-save
     python -m mhc_lab.bench training --parts stack                 # the MLP stack at 4096x768 and 8192x2048
     python -m mhc_lab.bench training --parts stack --stack-shapes 16384x2560,16384x4096   # at the block widths
+    python -m mhc_lab.bench training --parts deepseek_v4           # transformers' DeepSeek-V4, patched and not
 
 Parts, each a section of mhc_lab/recorded/training_h200.json (a run of some parts replaces those sections):
 
@@ -23,6 +24,13 @@ Parts, each a section of mhc_lab/recorded/training_h200.json (a run of some part
   stream (MHCResidualStream, kernels), the reference stream and TileKernels: launched (wall clock) and as CUDA
   graphs in --stack-rounds interleaved rounds, the kernels' GPU time and count, the ratios to the plain residual,
   and where the fused stream's host time goes (cProfile).
+- deepseek_v4 (mhc_lab.bench.deepseek_v4, not a default part): one training step of a small random DeepSeek-V4
+  from transformers (--deepseek-v4-shapes TOKENSxHIDDEN, --deepseek-v4-layers), as transformers runs it and with
+  its mHC sites run by mhc_lab.ops (use_mhc_lab), on the same weights and tokens: the step, the forward with
+  autograd recording and the forward under torch.no_grad, each timed launched in --deepseek-v4-rounds
+  interleaved rounds, with its peak memory; the two losses and gradients. Needs transformers (pip install
+  'mhc-lab[transformers]'); the one part that also runs on a CPU (--device cpu, or without CUDA: a tiny model in
+  float32, seconds).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import torch
 
 from mhc_lab.bench.block import BLOCK_KINDS, bench_block
 from mhc_lab.bench.common import N, SHAPES, copy_bandwidth, gpu_timer, parse_shapes, section_saver
+from mhc_lab.bench import deepseek_v4
 from mhc_lab.bench.host import bench_host
 from mhc_lab.bench.kernels import bench_block_kernels
 from mhc_lab.bench.portable import bench_portable
@@ -42,8 +51,9 @@ from mhc_lab.bench.site import bench_site
 from mhc_lab.bench.stack import ALL_KINDS, LAUNCHED_TIMER, LOSS, STACK_KINDS, STACK_SHAPES, bench_stack
 
 RECORDING = "training_h200"
-PARTS = ("site", "block", "block_kernels", "host", "portable", "stack")
+PARTS = ("site", "block", "block_kernels", "host", "portable", "stack", "deepseek_v4")
 DEFAULT_PARTS = ("site", "block", "block_kernels")
+CPU_PARTS = ("deepseek_v4",)  # the parts that also run on a CPU
 BLOCK_WIDTHS = (2560, 4096)
 
 
@@ -67,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stack-kinds", default=",".join(STACK_KINDS), help="part 'stack': the kinds, "
                         "comma-separated, the plain residual among them (--skip tilekernels leaves TileKernels out); "
                         "add <kind>_compiled or <kind>_reduce_overhead for the step under torch.compile")
+    parser.add_argument("--deepseek-v4-shapes", default=None, help="part 'deepseek_v4': shapes TOKENSxHIDDEN, "
+                        f"one sequence of TOKENS at width HIDDEN (default: "
+                        f"{','.join(f'{t}x{c}' for t, c in deepseek_v4.CUDA_SHAPES)} on CUDA, "
+                        f"{','.join(f'{t}x{c}' for t, c in deepseek_v4.CPU_SHAPES)} on a CPU)")
+    parser.add_argument("--deepseek-v4-layers", type=int, default=deepseek_v4.LAYERS, help="part 'deepseek_v4': "
+                        "decoder layers")
+    parser.add_argument("--deepseek-v4-rounds", type=int, default=deepseek_v4.ROUNDS, help="part 'deepseek_v4': "
+                        "interleaved rounds of the timings")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="part 'deepseek_v4': "
+                        "where it runs (auto: CUDA where present); the other parts need CUDA")
     parser.add_argument("--name", default=RECORDING, help="recording name (mhc_lab/recorded/NAME.json)")
     parser.add_argument("--out", "--out-dir", dest="out_dir", default=None, help="write the JSON here instead")
     parser.add_argument("--no-save", action="store_true", help="print only")
@@ -77,7 +97,8 @@ def _check(parser, args) -> list[str]:
     parts = [p for p in args.parts.split(",") if p]
     if not parts or set(parts) - set(PARTS):
         parser.error(f"--parts: expected parts among {', '.join(PARTS)}, got {args.parts!r}")
-    for flag in ("graph_rounds", "block_rounds", "stack_rounds", "stack_layers"):
+    for flag in ("graph_rounds", "block_rounds", "stack_rounds", "stack_layers", "deepseek_v4_layers",
+                 "deepseek_v4_rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
     kinds = [k for k in args.block_kernels_kinds.split(",") if k]
@@ -88,6 +109,14 @@ def _check(parser, args) -> list[str]:
         parse_shapes(args.stack_shapes)
     except ValueError as e:
         parser.error(f"--stack-shapes: {e}")
+    if args.deepseek_v4_shapes is not None:
+        try:
+            shapes = parse_shapes(args.deepseek_v4_shapes)
+        except ValueError as e:
+            parser.error(f"--deepseek-v4-shapes: {e}")
+        if any(hidden % 16 or tokens < 8 for tokens, hidden in shapes):
+            parser.error(f"--deepseek-v4-shapes: expected at least 8 tokens and a width that is a multiple of 16, "
+                         f"got {args.deepseek_v4_shapes!r}")
     kinds = [k for k in args.stack_kinds.split(",") if k]
     if "residual" not in kinds or set(kinds) - set(ALL_KINDS):
         parser.error(f"--stack-kinds: expected kinds among {', '.join(ALL_KINDS)}, the plain residual among them, "
@@ -100,14 +129,31 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     parts = _check(parser, args)
-    if not torch.cuda.is_available():
-        print("bench training needs a CUDA GPU; recorded H200 results: mhc_lab/recorded/training_h200.json")
+    cuda = torch.cuda.is_available()
+    device = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
+    gpu_parts = [p for p in parts if p not in CPU_PARTS]
+    if (gpu_parts or device == "cuda") and not cuda:
+        print("bench training needs a CUDA GPU" + (f" for parts {', '.join(gpu_parts)}" if gpu_parts else "")
+              + "; recorded H200 results: mhc_lab/recorded/training_h200.json")
         return 1
+    if gpu_parts and device != "cuda":
+        parser.error(f"--device {args.device}: only part {', '.join(CPU_PARTS)} runs on a CPU, got parts "
+                     f"{', '.join(parts)}")
+    if device == "cpu" and not args.no_save and args.out_dir is None and args.name == RECORDING:
+        parser.error(f"a run on the CPU is not recorded in mhc_lab/recorded/{RECORDING}.json (the H200's): give "
+                     "--out DIR (or --name NAME) to record it elsewhere, or --no-save")
+    if "deepseek_v4" in parts:
+        try:
+            transformers_version = deepseek_v4.require_transformers()
+        except ImportError as e:
+            print(f"part deepseek_v4: {e}")
+            return 1
     skip = {s for s in args.skip.split(",") if s}
-    bench, timer_name = gpu_timer()
-    copy = copy_bandwidth(bench)
-    print(f"copy {copy:.0f} GB/s")
-    setup = {"timer": timer_name, "n": N, "dtype": "bfloat16", "copy_gbps": copy}
+    if gpu_parts:
+        bench, timer_name = gpu_timer()
+        copy = copy_bandwidth(bench)
+        print(f"copy {copy:.0f} GB/s")
+        setup = {"timer": timer_name, "n": N, "dtype": "bfloat16", "copy_gbps": copy}
     sections = {}
     save = section_saver("training", args, argv, recording=RECORDING, order=PARTS, sections=sections)
 
@@ -146,6 +192,18 @@ def main(argv=None) -> int:
                                                            rounds=args.stack_rounds))
             save(final=False)
             torch.cuda.empty_cache()
+    if "deepseek_v4" in parts:
+        shapes = deepseek_v4.CUDA_SHAPES if device == "cuda" else deepseek_v4.CPU_SHAPES
+        if args.deepseek_v4_shapes is not None:
+            shapes = parse_shapes(args.deepseek_v4_shapes)
+        sections["deepseek_v4"] = {"timer": deepseek_v4.TIMER, "loss": deepseek_v4.LOSS, "device": device,
+                                   "backend": "auto", "transformers": transformers_version, "shapes": []}
+        for tokens, hidden in shapes:
+            sections["deepseek_v4"]["shapes"].append(deepseek_v4.bench_deepseek_v4(
+                tokens, hidden, layers=args.deepseek_v4_layers, device=device, rounds=args.deepseek_v4_rounds))
+            save(final=False)
+            if device == "cuda":
+                torch.cuda.empty_cache()
     path = save(final=True)
     print(f"done in {time.time() - t0:.0f} s" + (f"; saved {path}" if path else ""))
     return 0

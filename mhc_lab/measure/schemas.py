@@ -49,9 +49,9 @@ def obj(doc: str, required: dict, optional: dict | None = None) -> Spec:
     return Spec("object", doc, fields=fields)
 
 
-def table(doc: str, values: Spec, keys: tuple | None = None) -> Spec:
+def table(doc: str, values: Spec, keys: tuple | None = None, nullable: bool = False) -> Spec:
     """An object keyed by names (implementations, kernels, ...), every value of one spec; keys: those allowed."""
-    return Spec("table", doc, values=values, keys=keys)
+    return Spec("table", doc, values=values, keys=keys, nullable=nullable)
 
 
 def array(doc: str, items: Spec) -> Spec:
@@ -504,9 +504,87 @@ TRAINING_STACK = _section(
             }),
         })),
     })
+DEEPSEEK_V4_KINDS = ("unpatched", "patched")
+DEEPSEEK_V4_PASSES = ("step", "forward", "forward_no_grad")
+_DEEPSEEK_V4_PASSES_DOC = ("step (the gradients dropped, the forward with the loss, its backward), forward (the "
+                           "forward with the loss, autograd recording, no backward), forward_no_grad (the forward "
+                           "with the loss under torch.no_grad)")
+
+
+def _per_kind_and_pass(doc: str, value: Spec, nullable: bool = False) -> Spec:
+    return table(doc, table("Per pass.", value, DEEPSEEK_V4_PASSES), DEEPSEEK_V4_KINDS, nullable=nullable)
+
+
+TRAINING_DEEPSEEK_V4 = _section(
+    "One training step of a small random DeepSeek-V4 from transformers, unpatched and with its mHC sites run by "
+    "mhc_lab.ops (use_mhc_lab), per shape (part 'deepseek_v4').", required={
+        "timer": text("How each pass was timed: per call, launched from Python, the GPU synchronised after it."),
+        "loss": text("The loss the step backpropagates."),
+        "device": text("cuda or cpu."),
+        "backend": text("use_mhc_lab's backend (auto: the fused kernels on CUDA with bfloat16 lanes, the reference "
+                        "elsewhere)."),
+        "transformers": text("transformers' version."),
+        "shapes": array("One entry per shape.", obj("Both kinds at one shape.", required={
+            "tokens": integer("Tokens per step (one sequence)."), "hidden": integer("The model's width C."),
+            "layers": integer("Decoder layers (two mHC sites each)."), "n": integer("Lanes (hc_mult)."),
+            "dtype": text("The model's dtype (bfloat16 on CUDA, float32 on a CPU; the HyperConnection parameters "
+                          "and norms stay float32)."),
+            "config": obj("The DeepSeek-V4 config's fields that set the model's shape and work "
+                          "(mhc_lab.bench.deepseek_v4.model_config).", required={
+                **{key: integer(doc) for key, doc in (
+                    ("vocab_size", "Vocabulary."), ("hidden_size", "Width."), ("num_hidden_layers", "Layers."),
+                    ("hc_mult", "Lanes."), ("num_attention_heads", "Query heads."), ("head_dim", "Head width."),
+                    ("q_lora_rank", "Rank of the query's low-rank projection."),
+                    ("o_groups", "Groups of the grouped output projection."),
+                    ("o_lora_rank", "Rank per group of the output projection."),
+                    ("sliding_window", "Tokens of the sliding window."),
+                    ("index_n_heads", "Heads of the compressed sparse attention's indexer."),
+                    ("index_head_dim", "Width of the indexer's heads."),
+                    ("index_topk", "Compressed entries the indexer keeps per query."),
+                    ("n_routed_experts", "Routed experts per MoE."),
+                    ("num_experts_per_tok", "Routed experts per token."),
+                    ("n_shared_experts", "Shared experts per MoE."),
+                    ("moe_intermediate_size", "Width of each expert's hidden layer."))},
+                "compress_rates": table("Compression rate per compressed attention kind.", integer("Rate.")),
+                "layer_types": array("Each layer's attention kind.", text("Kind.")),
+                "mlp_layer_types": array("Each layer's MoE kind (hash_moe or moe).", text("Kind.")),
+            }),
+            "parameters": integer("The model's parameters."),
+            "rounds": integer("Interleaved rounds of the timings."),
+            "steps_per_timing": integer("Calls per timing of a pass (their median is the round's time)."),
+            "first_step_s": table("Each kind's first step, s (the fused kernels' build where not cached).",
+                                  number("Seconds."), DEEPSEEK_V4_KINDS),
+            "loss": obj("The losses of each kind's first step, on the same weights and tokens.", required={}, optional={
+                "unpatched": number("transformers' own layers."), "patched": number("Under use_mhc_lab."),
+                "difference": number("patched less unpatched."),
+                "rel_difference": number("|patched - unpatched| / |unpatched|."),
+            }),
+            "time_ms": _per_kind_and_pass(f"Median over the rounds, ms, per kind (unpatched: transformers' own "
+                                          f"layers; patched: under use_mhc_lab) and pass: {_DEEPSEEK_V4_PASSES_DOC}.",
+                                          MS),
+            "rounds_ms": _per_kind_and_pass("Each round's time, ms (every kind and pass once per round).",
+                                            array("One time per round.", MS)),
+            "patched_over_unpatched": table("The patched time over the unpatched one, round by round, per pass.",
+                                            RATIOS, DEEPSEEK_V4_PASSES),
+            "peak_memory_mib": _per_kind_and_pass("Peak memory allocated while the pass ran, MiB (the model's weights "
+                                                  "included; torch.cuda.max_memory_allocated); null on a CPU.",
+                                                  number("MiB."), nullable=True),
+            "allocated_before_mib": _per_kind_and_pass("Memory allocated when the pass began, MiB (the weights, the "
+                                                       "gradients dropped); null on a CPU.",
+                                                       number("MiB."), nullable=True),
+            "peak_memory_note": text("Why there is no peak memory (null where there is).", nullable=True),
+            "errors": table("Why a kind has no figures.", text("The reason."), DEEPSEEK_V4_KINDS),
+        }, optional={
+            "grad_rel_diff": number("Every parameter's gradient after the first step as one vector: |patched - "
+                                    "unpatched| / |unpatched|."),
+            "worst_grad": obj("The parameter whose gradient differs most, relatively.", required={
+                "parameter": text("Its name."), "rel_diff": number("|patched - unpatched| / |unpatched| of it."),
+            }),
+        })),
+    })
 TRAINING = obj("The training benchmark (mhc_lab.bench.training), one section per part.", required={}, optional={
     "site": TRAINING_SITE, "block": TRAINING_BLOCK, "block_kernels": TRAINING_BLOCK_KERNELS, "host": TRAINING_HOST,
-    "portable": TRAINING_PORTABLE, "stack": TRAINING_STACK,
+    "portable": TRAINING_PORTABLE, "stack": TRAINING_STACK, "deepseek_v4": TRAINING_DEEPSEEK_V4,
 })
 
 
@@ -528,7 +606,7 @@ SCHEMAS = {s.name: s for s in (
     RecordingSchema("tilelang_h200", "python -m mhc_lab.bench tilelang --out mhc_lab/recorded", TILELANG),
     RecordingSchema("forward_h200", "python -m mhc_lab.bench forward", FORWARD, ("sites", "reference")),
     RecordingSchema("training_h200", "python -m mhc_lab.bench training", TRAINING,
-                    ("site", "block", "block_kernels", "host", "portable", "stack")),
+                    ("site", "block", "block_kernels", "host", "portable", "stack", "deepseek_v4")),
 )}
 
 

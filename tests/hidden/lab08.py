@@ -2,12 +2,14 @@
 token and huge blocks; the host's share for 0-d tensors, float32, equal times and a wide batch; the host per site for
 integer times, a stack no slower than the plain one, a wait of exactly half the step, microsecond steps; the power
 cap's rule for a zero threshold, equal times, 2-D and 0-d tensors; the lanes on the wire for integer arguments, one
-token, compute a hair either side of the transfer, a huge micro-batch on a slow link."""
+token, compute a hair either side of the transfer, a huge micro-batch on a slow link; transformers' DeepSeek-V4
+HyperConnection for bfloat16 lanes, one token, six lanes, a wide model and sharp coefficients."""
 
 import torch
 
 from mhc_lab.classroom.hidden_checks import hidden, same_as_reference
-from mhc_lab.course.checks import CheckFailed, call, randn
+from mhc_lab.course.checks import CheckFailed, assert_close, call, randn, seeded
+from mhc_lab.course.deepseek_v4 import hyper_connection
 from mhc_lab.course.pipeline import boundary_exposed
 from mhc_lab.course.step_time import copy_floor_overhead, host_per_site, host_share, instruction_bound
 
@@ -103,5 +105,30 @@ def _boundary_exposed(answer):
                 raise CheckFailed(f"{label}: expected {name} to be a number, got {type(g).__name__}") from None
             if abs(g - w) > 1e-12 * (1 + abs(want[0])) + 1e-9 * abs(w):
                 raise CheckFailed(f"{label}: expected {name} = {w:.9g}, got {g:.9g}")
+        cases.append(label)
+    return cases
+
+
+@hidden("8.6", "bfloat16 lanes, one token, six lanes, a wide model, sharp coefficients")
+def _hyper_connection(answer):
+    cases = []
+    for k, (n, C, batch, tokens, dtype, spread, label) in enumerate([
+            (4, 64, 2, 3, torch.bfloat16, 1.0, "bfloat16 lanes (the coefficients still float32)"),
+            (4, 32, 1, 1, torch.float32, 1.0, "one token"),
+            (6, 24, 1, 4, torch.float32, 1.0, "six lanes"),
+            (4, 1024, 1, 2, torch.float32, 1.0, "a wide model, C = 1024"),
+            (4, 48, 2, 2, torch.float32, 4.0, "sharp coefficients: H_res near a permutation")]):
+        g = seeded(8660 + k)
+        hc = hyper_connection(n, C, g, spread=spread)
+        x = torch.randn(batch, tokens, n, C, generator=g).to(dtype)
+        got = call(answer, hc.fn.detach().clone(), hc.base.detach().clone(), hc.scale.detach().clone(), x.clone(),
+                   case=label)
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            raise CheckFailed(f"{label}: expected a tuple of three tensors (post, comb, collapsed), got "
+                              f"{type(got).__name__}")
+        with torch.no_grad():
+            want = hc(x)
+        for name, g_, w in zip(("post", "comb", "collapsed"), got, want):
+            assert_close(g_, w, case=label, name=name)
         cases.append(label)
     return cases

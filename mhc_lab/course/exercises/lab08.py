@@ -1,21 +1,24 @@
 """Lab 08 exercises: where a training step's time goes. The copy floor's extra time and overhead from bytes and the
 copy bandwidth, the host's share of a launched step from its launched and CUDA-graph times, what the host adds per
 mHC site of a stack and whether its launched step is host-bound, which kernels the power cap slows
-(instruction-bound) from their time with identity layers and in the block, and how much of the n lanes' transfer
-across a pipeline stage boundary another micro-batch's compute hides.
+(instruction-bound) from their time with identity layers and in the block, how much of the n lanes' transfer
+across a pipeline stage boundary another micro-batch's compute hides, and what transformers' DeepSeek-V4
+HyperConnection returns, through our reference.
 
 Each check draws seeded random inputs for several block shapes (or tensor shapes) and compares with the reference
-in mhc_lab.course.step_time (mhc_lab.course.pipeline for 8.5), computed independently; a wrong answer that matches a usual mistake on every case is
-named.
+in mhc_lab.course.step_time (mhc_lab.course.pipeline for 8.5; for 8.6, transformers' own HyperConnection module),
+computed independently; a wrong answer that matches a usual mistake on every case is named.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mhc_lab.course import deepseek_v4
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, register, seeded
 from mhc_lab.course.pipeline import boundary_exposed
 from mhc_lab.course.step_time import copy_floor_overhead, host_per_site, host_share, instruction_bound
+from mhc_lab.reference import mhc_coefficients, mhc_pre
 
 
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -554,3 +557,118 @@ def _check_boundary_exposed(answer):
                 raise CheckFailed(f"{name}: expected {label} = {want:.6g}, got {got:.6g}."
                                   + _wire_mistake(values, cases))
     return [name for _, name in cases]
+
+
+
+# ---- 8.6 a DeepSeek-V4 HyperConnection through our reference --------------------------------------------------
+
+# (n, C, batch, tokens, what the case is): DeepSeek-V4's four lanes at two widths, then two and eight lanes
+_HC_CASES = [(4, 64, 2, 5, "DeepSeek-V4's four lanes, C = 64"), (4, 256, 1, 3, "four lanes, C = 256"),
+             (2, 32, 1, 7, "two lanes, C = 32"), (8, 16, 2, 2, "eight lanes, C = 16")]
+_HC_OUTPUTS = ("post", "comb", "collapsed")
+_ROWS = ("the rows of fn (and base) reordered. Both are [pre, post, res], n rows for H_pre, n for H_post and n^2 "
+         "for H_res, in transformers' module as in ours: phi is fn as it stands, and bias is base.")
+_SCALE = "scale read in another order. Its three entries are [pre, post, res], as alpha's: alpha is scale as it stands."
+_HC_MISTAKES = {
+    "comb": "comb taken as H_res itself. transformers' layer mixes the lanes with comb transposed (new lane k = "
+            "sum_j comb[j, k] x_j), ours with H_res (new lane i = sum_j H_res[i, j] x_j): comb is "
+            "H_res.transpose(-1, -2).",
+    "rows_post_first": _ROWS,
+    "rows_res_first": _ROWS,
+    "scale_reversed": _SCALE,
+    "scale_swapped": _SCALE,
+    "collapsed_post": "the layer input collapsed with H_post. The module returns the layer input H_pre x: "
+                      "mhc_pre(x, pre).",
+}
+
+
+def _reordered(fn, base, n: int, read: tuple):
+    """fn and base read as if their rows were in the order ``read`` and put back as [pre, post, res]."""
+    sizes = {"pre": n, "post": n, "res": n * n}
+    start = {name: sum(sizes[r] for r in read[:read.index(name)]) for name in read}
+    rows = [slice(start[name], start[name] + sizes[name]) for name in ("pre", "post", "res")]
+    return torch.cat([fn[r] for r in rows]), torch.cat([base[r] for r in rows])
+
+
+def _hc_wrong(kind: str):
+    def wrong(fn, base, scale, x):
+        n = x.shape[-2]
+        if kind == "rows_post_first":
+            fn, base = _reordered(fn, base, n, ("post", "pre", "res"))
+        if kind == "rows_res_first":
+            fn, base = _reordered(fn, base, n, ("res", "pre", "post"))
+        if kind == "scale_reversed":
+            scale = scale.flip(0)
+        if kind == "scale_swapped":
+            scale = scale[[1, 0, 2]]
+        pre, post, res = mhc_coefficients(x, fn, base, scale)
+        comb = res if kind == "comb" else res.transpose(-1, -2)
+        return post, comb, mhc_pre(x, post if kind == "collapsed_post" else pre)
+
+    wrong.__name__ = f"hyper_connection_{kind}"
+    return wrong
+
+
+def _hc_cases() -> list[tuple]:
+    """(module, (fn, base, scale, x), what the case is) per case: transformers' HyperConnection with seeded random
+    parameters, and seeded lanes [batch, tokens, n, C]."""
+    if deepseek_v4.TRANSFORMERS is None:
+        raise ImportError(f"exercise 8.6 checks against transformers' DeepSeek-V4 HyperConnection: "
+                          f"{deepseek_v4.INSTALL}")
+    cases = []
+    for k, (n, C, batch, tokens, what) in enumerate(_HC_CASES):
+        g = seeded(8600 + k)
+        hc = deepseek_v4.hyper_connection(n, C, g)
+        x = torch.randn(batch, tokens, n, C, generator=g)
+        args = (hc.fn.detach().clone(), hc.base.detach().clone(), hc.scale.detach().clone(), x)
+        cases.append((hc, args, f"{what}, {batch} x {tokens} tokens"))
+    return cases
+
+
+def _three_tensors(got, case: str) -> tuple:
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        length = f" of length {len(got)}" if isinstance(got, (tuple, list)) else ""
+        raise CheckFailed(f"{case}: expected a tuple of three tensors (post, comb, collapsed), got "
+                          f"{type(got).__name__}{length}")
+    return tuple(got)
+
+
+def _hc_mistake(values: list, cases: list) -> str:
+    """The usual mistake the answers match on every case ("" if none does)."""
+
+    def near(a, b) -> bool:
+        return (isinstance(a, torch.Tensor) and a.shape == b.shape
+                and torch.allclose(a.detach().double(), b.double(), rtol=1e-4, atol=1e-5))
+
+    for kind, explanation in _HC_MISTAKES.items():
+        wrong = [_hc_wrong(kind)(*args) for _, args, _ in cases]
+        if all(near(a, b) for got, want in zip(values, wrong) for a, b in zip(got, want)):
+            return f" This looks like the usual mistake: {explanation}"
+    return ""
+
+
+@register(
+    "8.6", "a DeepSeek-V4 HyperConnection through our reference",
+    hints=[
+        "Our site's parameters are the module's as they stand: phi = fn, bias = base, alpha = scale (rows and "
+        "entries [pre, post, res] in both). mhc_coefficients gives H_pre, H_post and H_res; then ask which of them "
+        "the module returns as it is, which transposed, and what it does with H_pre.",
+        "post is H_post. The layer mixes the lanes with comb transposed, while ours mixes them with H_res: comb is "
+        "H_res.transpose(-1, -2). collapsed is the layer input, H_pre x: mhc_pre(x, pre).",
+        "pre, post, res = mhc_coefficients(x, fn, base, scale); return post, res.transpose(-1, -2), mhc_pre(x, pre)",
+    ],
+    library="mhc_lab.course.deepseek_v4.hyper_connection_outputs",
+    mistakes=[Mistake(_hc_wrong(kind), explanation.split(".")[0]) for kind, explanation in _HC_MISTAKES.items()],
+)
+def _check_hyper_connection(answer):
+    cases = _hc_cases()
+    values = [_three_tensors(call(answer, *(t.clone() for t in args), case=name), name) for _, args, name in cases]
+    for (hc, args, name), got in zip(cases, values):
+        with torch.no_grad():
+            want = hc(args[3])
+        for label, g, w in zip(_HC_OUTPUTS, got, want):
+            try:
+                assert_close(g, w, case=name, name=label)
+            except CheckFailed as failure:
+                raise CheckFailed(f"{failure}.{_hc_mistake(values, cases)}") from None
+    return [name for _, _, name in cases]
