@@ -172,9 +172,9 @@ def _gradients(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _gradient_gap(patched: dict, unpatched: dict) -> tuple[float, str, float]:
+def gradient_gap(patched: dict, unpatched: dict) -> tuple[float, str, float]:
     """(|patched - unpatched| / |unpatched| over every gradient as one vector, the parameter whose own relative
-    difference is largest, that difference)."""
+    difference is largest, that difference), for two {name: gradient} of the same parameters."""
     apart = total = 0.0
     worst, worst_rel = "", 0.0
     for name, g in unpatched.items():
@@ -235,7 +235,7 @@ def bench_deepseek_v4(tokens: int, hidden: int, *, layers: int = LAYERS, device=
         unpatched, patched = out["loss"]["unpatched"], out["loss"]["patched"]
         out["loss"]["difference"] = patched - unpatched
         out["loss"]["rel_difference"] = abs(patched - unpatched) / abs(unpatched)
-        gap, worst, worst_rel = _gradient_gap(grads["patched"], grads["unpatched"])
+        gap, worst, worst_rel = gradient_gap(grads["patched"], grads["unpatched"])
         out["grad_rel_diff"], out["worst_grad"] = gap, {"parameter": worst, "rel_diff": worst_rel}
     grads.clear()
 

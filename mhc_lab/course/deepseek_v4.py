@@ -29,6 +29,7 @@ from mhc_lab.bench.deepseek_v4 import (
     LAYERS,
     PASSES,
     bench_deepseek_v4,
+    gradient_gap,
     model_config,
     random_model,
     require_transformers,
@@ -137,14 +138,10 @@ def differences(other: dict, base: dict) -> dict:
     """How far one step is from another: logits (the largest entry's difference over the largest |logit|), loss
     (relative), every gradient as one vector (relative), and each parameter's own (the largest, and where)."""
     logits = ((other["logits"] - base["logits"]).abs().max() / base["logits"].abs().max()).item()
-    names = list(base["grads"])
-    grads = {name: _relative(other["grads"][name], base["grads"][name]) for name in names}
-    worst = max(grads, key=grads.get)
-    every = _relative(torch.cat([other["grads"][name].flatten() for name in names]),
-                      torch.cat([base["grads"][name].flatten() for name in names]))
-    return {"logits": logits, "loss": _relative(other["loss"], base["loss"]), "gradients": len(grads),
+    every, worst, worst_rel = gradient_gap(other["grads"], base["grads"])
+    return {"logits": logits, "loss": _relative(other["loss"], base["loss"]), "gradients": len(base["grads"]),
             "same_parameters": set(other["grads"]) == set(base["grads"]), "all_gradients": every,
-            "worst_gradient": worst, "gradient": grads[worst]}
+            "worst_gradient": worst, "gradient": worst_rel}
 
 
 def comparison_table(unpatched: dict, patched: dict, restored: dict) -> str:

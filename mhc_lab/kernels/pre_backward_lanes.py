@@ -71,7 +71,8 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
                                add_dx: bool = False, post_grad: bool = False, splits: int = 1,
                                hopper: bool | None = None):
     """Kernel 2. Arguments, C target: x [T, n, C], dy [T, C], pre [T, n] f32, dmix [T, n^2+2n] f32,
-    dtok [T, n^2+2n+4] f32 (its last column ds), phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's CUDA outputs), phi.
+    dtok [T, n^2+2n+4] f32 (its last column ds), phi [n^2+2n, nC] f32; CUDA: x, dy, dsplit and coef (kernel 1's
+    CUDA outputs), phi.
     Then (add_dx) dx_post [T, n, C], the linked post's gradient of the lanes, added to dx in the same pass, or
     (post_grad) the linked post's output gradient g [T, n, C] and its res [T, n, n] f32, of which H_res^T g is
     added (so the post's backward need not write dx; each CTA then holds all n lanes, since each lane's dx takes

@@ -521,6 +521,9 @@ def _traced_reference_pre(x, phi, bias, alpha):
     return reference_pre(x, co.pre), co.post, co.res, co.pre, _no_partial(x), _link(x)
 
 
+_traced_reference_post = no_autocast(reference_post)
+
+
 def run_pre_forward(x, phi, bias, alpha, backend: str, partial_in=None):
     """pre_forward, eagerly or as the op (as_ops); traced where torch.compile traces the reference."""
     if traces_reference(backend):
@@ -533,7 +536,7 @@ def run_pre_forward(x, phi, bias, alpha, backend: str, partial_in=None):
 def run_post_forward(x, f, post, res, backend: str):
     """post_forward, eagerly or as the op (as_ops); traced where torch.compile traces the reference."""
     if traces_reference(backend):
-        return no_autocast(reference_post)(x, f, post, res)
+        return _traced_reference_post(x, f, post, res)
     if as_ops():
         return post_forward(x, f, post, res, backend)
     return _EagerPost.apply(x, f, post, res, backend)
@@ -541,9 +544,10 @@ def run_post_forward(x, f, post, res, backend: str):
 
 def run_post_forward_linked(x, link, f, post, res, backend: str, phi_next=None):
     """post_forward_linked, eagerly or as the op (as_ops). Where torch.compile traces the reference, the next
-    lanes from x itself (autograd sums the lanes' two gradients) and no partial: the traced pre projects."""
+    lanes from x itself (autograd sums the lanes' two gradients) and no partial: the traced pre computes its
+    coefficients from the lanes."""
     if traces_reference(backend):
-        return no_autocast(reference_post)(x, f, post, res), _no_partial(x)
+        return _traced_reference_post(x, f, post, res), _no_partial(x)
     if as_ops():
         return post_forward_linked(x, link, f, post, res, backend, phi_next)
     return _EagerPostLinked.apply(x, link, f, post, res, backend, phi_next)
