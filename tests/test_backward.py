@@ -713,9 +713,9 @@ def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
     seen = []
     real = modules.run_pre_forward
 
-    def spy(*args):
+    def spy(*args, **options):
         seen.append(len(args) > 5 and args[5] is not None)
-        return real(*args)
+        return real(*args, **options)
 
     want = grads(unchained)
     monkeypatch.setattr(modules, "run_pre_forward", spy)
@@ -1252,3 +1252,85 @@ def test_training_benchmark_refuses_fewer_than_one_round(capsys, flag):
     with pytest.raises(SystemExit):
         main(["--parts", "site", flag, "0"])
     assert f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+@needs_cuda
+def test_cuda_eager_site_runs_the_native_ops_and_autograd():
+    """Called eagerly, a CUDA site's ops and their backward are native.cpp's (C++ autograd nodes in the graph, no
+    Python autograd.Function of site_ops), on a chained pair of sites and a separate pre and post."""
+    from mhc_lab.ops import MHCConnection, mhc_post as op_post, mhc_pre as op_pre, run_sites
+
+    torch.manual_seed(0)
+    connections = [MHCConnection(4, 64, backend="kernels").cuda() for _ in range(2)]
+    h = torch.randn(5, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = run_sites(h, connections, [torch.tanh, torch.tanh])
+    y, post, res = op_pre(out, connections[0].phi, connections[0].bias, connections[0].alpha, backend="kernels")
+    last = op_post(out, y, post, res, backend="kernels")
+    names, stack, seen = [], [last.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    native = [name for name in names if "mhc_native::" in name and name.rstrip(">").endswith(("::Pre", "::Post"))]
+    assert len(native) == 6 and not any("_Eager" in name for name in names), names
+    last.float().square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for c in connections for p in c.parameters())
+
+
+def test_native_ops_refuse_lanes_off_the_gpu():
+    """The C++ ops build on a machine without a GPU too, and refuse lanes that are not bfloat16 CUDA tensors by
+    name."""
+    from mhc_lab.ops import native
+
+    ext = native.extension()
+    plan = ext.Plan()
+    plan.n, plan.C = 4, 8
+    x, phi, bias, alpha, f = _site_inputs((3,), 4, 8)
+    with pytest.raises(RuntimeError, match=r"pre_forward: x: expected bfloat16 lanes \[T, n, C\] on a CUDA device"):
+        ext.pre_forward(plan, x.float(), phi, bias, alpha, None)
+    with pytest.raises(RuntimeError, match=r"post_forward: x: expected bfloat16 lanes"):
+        ext.post_forward(plan, x.bfloat16(), f.bfloat16(), torch.ones(3, 4), torch.ones(3, 4, 4), None)
+
+
+class _LanesOnAGpu:
+    """Stands for bf16 lanes [T, n, C] on GPU 0 where the plans ask only for their shape and device (without a
+    GPU, dispatch takes the default build's facts, sm_90)."""
+
+    def __init__(self, *shape):
+        self.shape, self.device, self.dtype = shape, torch.device("cuda", 0), torch.bfloat16
+
+
+@needs_nvcc
+def test_native_plans_hold_the_kernels_each_site_op_launches(monkeypatch):
+    """Which compiled kernels each C++ op launches, chosen per configuration for a Hopper GPU (built here with
+    nvcc, no GPU needed): the pre's projection only where the previous post did not project, kernel 2 for the
+    pre's link, the fused post + projection for a chain, the post's backward without dx where the pre's kernel 2
+    forms H_res^T g."""
+    from mhc_lab.kernels.pre_split import PROJECTION_SPLITS
+    from mhc_lab.ops import site_ops
+    from mhc_lab.ops.dispatch import CHAIN_SPLITS
+
+    monkeypatch.setattr(site_ops, "_PLANS", {})
+    monkeypatch.setattr(site_ops, "lane_splits", lambda n, C, device, add_dx, post_grad: 3)
+    x = _LanesOnAGpu(8, 4, 64)
+    forward, backward = site_ops._plan(x, "pre", False, True, True)
+    assert forward.splits == PROJECTION_SPLITS and all(getattr(forward, k) for k in ("phi_split", "project",
+                                                                                      "coefficients", "mix"))
+    assert (backward.add_dx, backward.post_grad, backward.lane_splits, backward.splits) == (False, True, 3,
+                                                                                             PROJECTION_SPLITS)
+    assert backward.k1_reduce and backward.k1_tokens and not backward.k1_fused and backward.k2  # n = 4: spread
+    chained, alone = site_ops._plan(x, "pre", True, False, False)
+    assert chained.splits == CHAIN_SPLITS and not chained.phi_split and not chained.project and chained.mix
+    assert (alone.add_dx, alone.post_grad, alone.splits) == (False, False, CHAIN_SPLITS) and alone.k2 != backward.k2
+    post, post_backward = site_ops._plan(x, "post", True, True, True)
+    assert post.post_project and post.phi_split and not post.post and post.splits == CHAIN_SPLITS
+    assert post_backward.post_backward and not post_backward.lanes_grad
+    post, post_backward = site_ops._plan(x, "post", False, False, False)
+    assert post.post and not post.post_project and post_backward.lanes_grad
+    assert site_ops._plan(x, "post", False, False, False)[0] is post  # read back, not chosen again
+    x3 = _LanesOnAGpu(8, 3, 64)
+    fused = site_ops._plan(x3, "pre_backward", PROJECTION_SPLITS, True, False)
+    assert fused.k1_fused and not fused.k1_reduce and fused.add_dx and not fused.post_grad

@@ -1037,9 +1037,9 @@ def _stacks_on_cpu(monkeypatch, ran: list, *, tilekernels: bool = True):
     monkeypatch.setattr(bs.Stack, "forward", spied_forward)
     pre_forward = modules.run_pre_forward
 
-    def spied_pre(x, phi, bias, alpha, backend, *rest):
+    def spied_pre(x, phi, bias, alpha, backend, *rest, **options):
         ran.append(f"pre:{backend}")
-        return pre_forward(x, phi, bias, alpha, backend, *rest)
+        return pre_forward(x, phi, bias, alpha, backend, *rest, **options)
 
     monkeypatch.setattr(modules, "run_pre_forward", spied_pre)
 

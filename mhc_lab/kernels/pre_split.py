@@ -304,4 +304,5 @@ def apply_kernel(n: int, C: int, dtype: str = "bfloat16", target: str = "cuda", 
         coefficients(partial, bias, alpha, pre, post, res)
         mix(x, pre, y)
 
+    apply.coefficients, apply.mix = coefficients, mix
     return apply

@@ -67,7 +67,9 @@ def _gpu_refusal(x: torch.Tensor) -> str | None:
     refused = [path for path in kernel_paths(capability, x.shape[-2], shared_bytes=shared).values()
                if path.startswith("reference")]
     if not refused:
-        return None
+        from mhc_lab.ops.native import native_refusal
+
+        return native_refusal() or None  # the site's CUDA ops are C++ (native.cpp), built on first use
     return f"{name} (compute capability {capability[0]}.{capability[1]}): {refused[0].split(': ', 1)[1]}"
 
 

@@ -78,7 +78,7 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
     chosen = resolve_backend(backend, x)
     batch = tuple(x.shape[:-2])
     lanes = x.reshape(-1, n, C)
-    y, post, res, _, _, link = run_pre_forward(lanes, phi, bias, alpha, chosen, partial)
+    y, post, res, _, _, link = run_pre_forward(lanes, phi, bias, alpha, chosen, partial, linked=True)
     f = layer(y.view(*batch, C))
     check_layer_output(x, f, "mhc_site")
     if next_phi is not None:

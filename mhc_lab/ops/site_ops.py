@@ -8,10 +8,12 @@ each with both backends (mhc_lab.ops.dispatch), and their autograd.
 
 Custom ops with their own backward ops let torch.compile trace a model around them without graph breaks, and
 let selective activation checkpointing recompute exactly these ops (``MHCResidualStream(recompute_block=...)``).
-Each op's implementation is ``<op>_impl``. Called eagerly, the modules run the implementations through
-autograd.Functions instead (run_pre_forward, run_post_forward, run_post_forward_linked; as_ops says which path
-runs), with the same setup_context and backward formulas: the custom ops' Python dispatch would cost the host
-more than a small model's site costs the GPU (the end of this file).
+Each op's implementation is ``<op>_impl``; on CUDA it calls the C++ op of mhc_lab.ops.native (native.cpp), which
+allocates and launches the kernels. Called eagerly (run_pre_forward, run_post_forward, run_post_forward_linked;
+as_ops says which path runs), a CUDA site is native.cpp's C++ autograd Functions, and the CPU's C target and the
+reference run their implementations through autograd.Functions with the same setup_context and backward
+formulas: the custom ops' Python dispatch would cost the host more than a small model's site costs the GPU (the
+end of this file).
 
 A linked site (pre_forward's link handed to post_forward_linked) sums the lanes' two gradients inside the
 pre's backward: the post's backward either writes H_res^T g for kernel 2 to add, or (post_gradient_to_pre_for)
@@ -20,14 +22,14 @@ hands g itself back and kernel 2 forms H_res^T g in the pass that writes dx.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Optional
 
 import torch
 
+from mhc_lab.ops import native
 from mhc_lab.ops.dispatch import cuda_programs, lane_splits, partial_splits, post_gradient_to_pre_for
-from mhc_lab.ops.forward import _DTYPE_NAMES, _describe, cuda_guard
+from mhc_lab.ops.forward import _describe
 from mhc_lab.reference.backward import post_backward as reference_post_backward
 from mhc_lab.reference.backward import pre_backward as reference_pre_backward
 from mhc_lab.reference.mhc import mhc_coefficients, mixes_width
@@ -50,6 +52,51 @@ def no_autocast(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+_PLANS: dict = {}  # (op, n, C, GPU index, flags) -> the op's native plan(s): chosen once per configuration
+
+
+def _plan(x: torch.Tensor, op: str, *flags):
+    """The native.cpp plan(s) of one op on CUDA lanes x (bf16, [T, n, C]): chosen by the GPU x is on and the flags
+    the first time, then read from a dict (an eager site asks on every call).
+
+        "pre_forward", projected                -> the pre's forward plan
+        "pre_backward", splits, add_dx, post_grad -> the pre's backward plan (splits: the forward partial's)
+        "pre", projected, linked, post_grad     -> (forward, backward) plans of an eager pre
+        "post_forward", project_next            -> the post's forward plan
+        "post_backward", lanes_grad             -> the post's backward plan
+        "post", linked, project_next, post_grad -> (forward, backward) plans of an eager post"""
+    key = (op, x.shape[1], x.shape[2], x.device.index, *flags)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _choose_plan(x, op, *flags)
+    return plan
+
+
+def _choose_plan(x, op: str, *flags):
+    n, C = x.shape[1], x.shape[2]
+    target, hopper = cuda_programs(x)  # the programs of the GPU x is on (Hopper or portable)
+    if op == "pre_forward":
+        (projected,) = flags
+        return native.pre_forward_plan(n, C, target, partial_splits("kernels", x, chained=projected), projected)
+    if op == "pre_backward":
+        splits, add_dx, post_grad = flags
+        return native.pre_backward_plan(n, C, target, hopper, splits, lane_splits(n, C, x.device, add_dx, post_grad),
+                                        add_dx, post_grad)
+    if op == "pre":
+        projected, linked, post_grad = flags
+        forward = _plan(x, "pre_forward", projected)
+        return forward, _plan(x, "pre_backward", forward.splits, linked and not post_grad, linked and post_grad)
+    if op == "post_forward":
+        (project_next,) = flags
+        return native.post_forward_plan(n, C, target, hopper,
+                                        partial_splits("kernels", x, chained=True) if project_next else 0)
+    if op == "post_backward":
+        (lanes_grad,) = flags
+        return native.post_backward_plan(n, C, target, lanes_grad)
+    linked, project_next, post_grad = flags
+    return _plan(x, "post_forward", project_next), _plan(x, "post_backward", not (linked and post_grad))
 
 
 def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
@@ -76,7 +123,6 @@ def pre_forward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alp
     backward, H_res^T g, which this op's backward adds to its dx in the same pass (autograd would add the two dx
     in another)."""
     tokens, n, C = x.shape
-    link = _link(x)
     projected = partial_in is not None
     if projected:
         _check_partial(partial_in, x, backend, "pre_forward")
@@ -86,23 +132,16 @@ def pre_forward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alp
         y = reference_pre(x, co.pre)
         partial = _no_partial(x) if projected else _partial_reference(x, phi)
         outputs = (y, co.post, co.res, co.pre, partial)
-        return (*(t.contiguous() for t in outputs), link)  # the custom op promises contiguous outputs
+        return (*(t.contiguous() for t in outputs), _link(x))  # the custom op promises contiguous outputs
+    if x.device.type == "cuda":
+        return tuple(native.extension().pre_forward(_plan(x, "pre_forward", projected), x, phi, bias, alpha,
+                                                    partial_in))
     m = mixes_width(n)
     y = torch.empty((tokens, C), dtype=x.dtype, device=x.device)
     post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
     res = torch.empty((tokens, n, n), dtype=torch.float32, device=x.device)
     pre = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
     phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
-    if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_cuda import run_pre_cuda
-
-        partial = partial_in.contiguous() if projected else torch.empty(
-            (partial_splits(backend, x), tokens, m + 1), dtype=torch.float32, device=x.device)
-        if tokens:
-            with cuda_guard(x):
-                run_pre_cuda(x.contiguous(), phi32, bias32, alpha32, y, pre, post, res, partial=partial,
-                             projected=projected, splits=partial.shape[0])
-        return y, post, res, pre, _no_partial(x) if projected else partial, link
     from mhc_lab.kernels.pre import pre_kernel_c, projection_kernel_c
 
     partial = _no_partial(x) if projected else torch.empty((1, tokens, m + 1), dtype=torch.float32)
@@ -114,7 +153,7 @@ def pre_forward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alp
             projection_kernel_c(n, C)(x32, phi32, partial)
         if y32 is not y:
             y.copy_(y32)
-    return y, post, res, pre, partial, link
+    return y, post, res, pre, partial, _link(x)
 
 
 def _link(x: torch.Tensor) -> torch.Tensor:
@@ -150,11 +189,11 @@ def _(x, phi, bias, alpha, backend, partial_in=None):
 
 
 def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, *, add_dx: bool, post_grad: bool):
-    """Kernel 1 of the pre backward run on x's device (kernels backend), and kernel 2 built for what follows
-    it: (lanes, its leading operands, dtok, dphi_partial). The leading operands are x and dy, kernel 1's outputs
-    as kernel 2 takes them (CUDA: dsplit and coef; C target: H_pre, dmix and dtok, in float32) and phi; dtok is
-    kernel 1's per-token [dlogit, alpha's three gradients, ds]; dphi_partial is kernel 2's dphi output in its
-    layout (zeros when there are no tokens; _parameter_grads sums both)."""
+    """Kernel 1 of the pre backward run on the CPU (C target), and kernel 2 built for what follows it: (lanes, its
+    leading operands, dtok, dphi_partial). The leading operands are x and dy, kernel 1's outputs as kernel 2
+    takes them (H_pre, dmix and dtok, in float32) and phi; dtok is kernel 1's per-token [dlogit, alpha's three
+    gradients, ds]; dphi_partial is kernel 2's dphi output (zeros when there are no tokens). (On CUDA:
+    native.cpp's pre_backward.)"""
     from mhc_lab.kernels.pre_backward import pre_backward_kernels
     from mhc_lab.kernels.pre_backward_operands import EXTRA
 
@@ -165,24 +204,6 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
     phi32, bias32, alpha32 = phi.float().contiguous(), bias.float().contiguous(), alpha.float().contiguous()
     dpost, dres = dpost.float().contiguous(), dres.float().contiguous()
     alloc = torch.empty if tokens else torch.zeros
-    if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_backward_lanes import dphi_partial_shape
-        from mhc_lab.kernels.pre_backward_operands import coef_width, gemm_depth
-
-        splits = lane_splits(n, C, x.device, add_dx, post_grad)
-        target, hopper = cuda_programs(x)  # kernel 2's Hopper or portable program, by the GPU x is on
-        coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", target, splits=partial.shape[0],
-                                                   lane_splits=splits, add_dx=add_dx, post_grad=post_grad,
-                                                   hopper=hopper)
-        dsplit = torch.empty((tokens, 3, 2 * gemm_depth(n)), dtype=torch.bfloat16, device=x.device)
-        coef = torch.empty((tokens, coef_width(n)), **f32)
-        xc, dyc = x.contiguous(), dy.contiguous()
-        if tokens:
-            with cuda_guard(x):
-                coefficients(xc, dyc, partial, bias32, alpha32, dpost, dres, pre.contiguous(), dpre, dtok, dmix,
-                             dsplit, coef)
-        dphi_partial = alloc(dphi_partial_shape(splits, n, C), **f32)
-        return lanes, (xc, dyc, dsplit, coef, phi32), dtok, dphi_partial
     coefficients, lanes = pre_backward_kernels(n, C, "float32", "c", splits=partial.shape[0], add_dx=add_dx,
                                                post_grad=post_grad)
     x32, dy32 = x.float().contiguous(), dy.float().contiguous()
@@ -191,14 +212,10 @@ def _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres, 
     return lanes, (x32, dy32, pre.contiguous(), dmix, dtok, phi32), dtok, alloc((1, m, n * C), **f32)
 
 
-def _parameter_grads(dphi_partial, dtok, n: int, phi) -> tuple:
-    """(dphi, dbias_alpha) from kernel 2's dphi partial sums (CUDA's split layout, or the C target's one row of
-    them) and kernel 1's per-token dtok, summed over the tokens in one reduction (its columns: bias's gradient,
-    alpha's, then ds)."""
-    from mhc_lab.kernels.pre_backward_lanes import dphi_from_partial
-
-    dphi = dphi_from_partial(dphi_partial, n) if dphi_partial.device.type == "cuda" else dphi_partial.sum(0)
-    return dphi.to(phi.dtype), dtok.sum(0)
+def _parameter_grads(dphi_partial, dtok, phi) -> tuple:
+    """(dphi, dbias_alpha) from the C target's kernel 2 dphi output and kernel 1's per-token dtok, summed over the
+    tokens in one reduction (its columns: bias's gradient, alpha's, then ds)."""
+    return dphi_partial.sum(0).to(phi.dtype), dtok.sum(0)
 
 
 @no_autocast
@@ -226,21 +243,22 @@ def pre_backward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, al
         dx = grads.x + dx_post.to(cd) if linked else grads.x
         dbias_alpha = torch.cat([grads.bias.to(cd), grads.alpha.to(cd), grads.alpha.new_zeros(1, dtype=cd)])
         return dx.to(x.dtype).contiguous(), grads.phi.to(phi.dtype).contiguous(), dbias_alpha
+    if x.device.type == "cuda":
+        plan = _plan(x, "pre_backward", partial.shape[0], add_dx, post_grad)
+        return tuple(native.extension().pre_backward(plan, x, phi, bias, alpha, pre, partial, res, dy, dpost, dres,
+                                                     dx_post if linked else None))
     dx = torch.empty_like(x)
     lanes, lead, dtok, dphi_partial = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres,
                                                               add_dx=add_dx, post_grad=post_grad)
     if tokens:
-        cuda = x.device.type == "cuda"
-        work = x.dtype if cuda else torch.float32  # the C target computes in float32
-        more = [dx_post.to(work).contiguous()] if linked else []
+        more = [dx_post.float().contiguous()] if linked else []  # the C target computes in float32
         if post_grad:
             more.append(res.float().contiguous())
-        out = dx if dx.dtype == work else torch.empty(x.shape, dtype=work, device=x.device)
-        with cuda_guard(x) if cuda else contextlib.nullcontext():
-            lanes(*lead, *more, out, dphi_partial)
+        out = dx if dx.dtype == torch.float32 else torch.empty(x.shape, dtype=torch.float32)
+        lanes(*lead, *more, out, dphi_partial)
         if out is not dx:
             dx.copy_(out)
-    return (dx, *_parameter_grads(dphi_partial, dtok, n, phi))
+    return (dx, *_parameter_grads(dphi_partial, dtok, phi))
 
 
 pre_backward = torch.library.custom_op("mhc_lab::pre_backward", pre_backward_impl, mutates_args=())
@@ -294,6 +312,8 @@ def post_forward_impl(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res:
     """x [T, n, C], f [T, C], post [T, n], res [T, n, n] -> the next lanes [T, n, C]."""
     if backend == "reference":
         return reference_post(x, f, post, res).contiguous()
+    if x.device.type == "cuda":
+        return native.extension().post_forward(_plan(x, "post_forward", False), x, f, post, res, None)[0]
     from mhc_lab.ops.forward import mhc_post_fused
 
     return mhc_post_fused(x.contiguous(), f.contiguous(), post.float().contiguous(), res.float().contiguous())
@@ -318,6 +338,8 @@ def post_backward_impl(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res
         grads = reference_post_backward(x, f, post, res, g)
         out = [gr.to(leaf.dtype).contiguous() for gr, leaf in zip(grads, (x, f, post, res))]
         return (out[0] if lanes_grad else _no_lanes_grad(x), *out[1:])
+    if x.device.type == "cuda":
+        return tuple(native.extension().post_backward(_plan(x, "post_backward", lanes_grad), x, f, post, res, g))
     from mhc_lab.kernels.post_backward import post_backward_kernel
 
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -326,22 +348,15 @@ def post_backward_impl(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res
     post32, res32 = post.float().contiguous(), res.float().contiguous()
     if tokens == 0:
         return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
-    if x.device.type == "cuda":
-        dtype = _DTYPE_NAMES[x.dtype]
-        with cuda_guard(x):
-            post_backward_kernel(n, C, dtype, cuda_programs(x)[0], lanes_grad=lanes_grad)(
-                x.contiguous(), f.contiguous(), g.contiguous(), post32, res32, *([dx] if lanes_grad else []), df,
-                dpost, dres)
-    else:
-        args = [t.float().contiguous() for t in (x, f, g)]
-        dx32 = dx if x.dtype == torch.float32 or not lanes_grad else torch.empty(x.shape, **f32)
-        df32 = df if x.dtype == torch.float32 else torch.empty(f.shape, **f32)
-        post_backward_kernel(n, C, "float32", "c", lanes_grad=lanes_grad)(
-            args[0], args[1], args[2], post32, res32, *([dx32] if lanes_grad else []), df32, dpost, dres)
-        if dx32 is not dx:
-            dx.copy_(dx32)
-        if df32 is not df:
-            df.copy_(df32)
+    args = [t.float().contiguous() for t in (x, f, g)]
+    dx32 = dx if x.dtype == torch.float32 or not lanes_grad else torch.empty(x.shape, **f32)
+    df32 = df if x.dtype == torch.float32 else torch.empty(f.shape, **f32)
+    post_backward_kernel(n, C, "float32", "c", lanes_grad=lanes_grad)(
+        args[0], args[1], args[2], post32, res32, *([dx32] if lanes_grad else []), df32, dpost, dres)
+    if dx32 is not dx:
+        dx.copy_(dx32)
+    if df32 is not df:
+        df.copy_(df32)
     return dx, df, dpost.to(post.dtype), dres.to(res.dtype)
 
 
@@ -393,27 +408,12 @@ def post_forward_linked_impl(x: torch.Tensor, link: torch.Tensor, f: torch.Tenso
     if backend == "reference":
         out = reference_post(x, f, post, res).contiguous()
         return out, _partial_reference(out, phi_next).contiguous()
+    if x.device.type == "cuda":  # on Hopper the post and the projection in one kernel (post_project.py)
+        return tuple(native.extension().post_forward(_plan(x, "post_forward", True), x, f, post, res, phi_next))
     m = mixes_width(n)
     post32, res32, phi32 = post.float().contiguous(), res.float().contiguous(), phi_next.float().contiguous()
     from mhc_lab.kernels.post_project import post_project_kernel
 
-    if x.device.type == "cuda":
-        from mhc_lab.kernels.pre_split import phi_rows, phi_split_kernel, project_kernel
-
-        splits = partial_splits(backend, x, chained=True)
-        target, hopper = cuda_programs(x)  # the fused kernel is a Hopper program
-        out = torch.empty_like(x) if hopper else post_forward_impl(x, f, post, res, backend)
-        partial = torch.empty((splits, tokens, m + 1), dtype=torch.float32, device=x.device)
-        if tokens:
-            with cuda_guard(x):
-                phi_hl = torch.empty((phi_rows(n), n * C), dtype=torch.bfloat16, device=x.device)
-                phi_split_kernel(n, C, target)(phi32, phi_hl)
-                if hopper:
-                    post_project_kernel(n, C, "bfloat16", target, splits=splits)(
-                        x.contiguous(), f.contiguous(), post32, res32, phi_hl, out, partial)
-                else:  # elsewhere the post's lanes projected by the pre's own projection pass
-                    project_kernel(n, C, "bfloat16", target, splits=splits)(out.view(tokens, n * C), phi_hl, partial)
-        return out, partial
     partial = torch.empty((1, tokens, m + 1), dtype=torch.float32)
     if x.dtype != torch.float32:
         # the C target computes in float32: the next pre must get the projection of the lanes as stored in the
@@ -473,10 +473,11 @@ post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post
 #
 # Called eagerly, a custom op costs about 60 us of host time more than an autograd.Function that runs the same
 # implementation (torch.library's dispatch and autograd glue, in Python), and its backward about as much again:
-# on a small model's training step that is more than the site's kernels take on the GPU. So eager calls run the
-# implementations through autograd.Functions (the same setup_context and backward formulas, calling the
-# backward's implementation directly), and only a trace sees the custom ops: torch.compile, torch.export, and
-# any dispatch mode (selective activation checkpointing's, FakeTensorMode), which must see one op per site op.
+# on a small model's training step that is more than the site's kernels take on the GPU. So eager calls run
+# native.cpp's C++ autograd Functions on CUDA, and elsewhere the implementations through autograd.Functions (the
+# same setup_context and backward formulas, calling the backward's implementation directly); only a trace sees
+# the custom ops: torch.compile, torch.export, and any dispatch mode (selective activation checkpointing's,
+# FakeTensorMode), which must see one op per site op.
 
 
 def _eager(name: str, impl, setup_context, backward):
@@ -524,12 +525,21 @@ def _traced_reference_pre(x, phi, bias, alpha):
 _traced_reference_post = no_autocast(reference_post)
 
 
-def run_pre_forward(x, phi, bias, alpha, backend: str, partial_in=None):
-    """pre_forward, eagerly or as the op (as_ops); traced where torch.compile traces the reference."""
+def _native(x, backend: str) -> bool:
+    """Whether an eager call runs native.cpp's ops and autograd: the kernels backend on CUDA."""
+    return x.is_cuda and backend == "kernels"
+
+
+def run_pre_forward(x, phi, bias, alpha, backend: str, partial_in=None, *, linked: bool = False):
+    """pre_forward, eagerly or as the op (as_ops); traced where torch.compile traces the reference. linked: its
+    link goes to the site's post (run_post_forward_linked), which decides the backward's kernel 2 on CUDA."""
     if traces_reference(backend):
         return _traced_reference_pre(x, phi, bias, alpha)
     if as_ops():
         return pre_forward(x, phi, bias, alpha, backend, partial_in)
+    if _native(x, backend):
+        plans = _plan(x, "pre", partial_in is not None, linked, linked and post_gradient_to_pre_for(x, backend))
+        return native.extension().pre(*plans, x, phi, bias, alpha, partial_in)
     return _EagerPre.apply(x, phi, bias, alpha, backend, partial_in)
 
 
@@ -539,6 +549,9 @@ def run_post_forward(x, f, post, res, backend: str):
         return _traced_reference_post(x, f, post, res)
     if as_ops():
         return post_forward(x, f, post, res, backend)
+    if _native(x, backend):
+        plans = _plan(x, "post", False, False, False)
+        return native.extension().post(*plans, False, x, None, f, post, res, None)[0]
     return _EagerPost.apply(x, f, post, res, backend)
 
 
@@ -550,4 +563,7 @@ def run_post_forward_linked(x, link, f, post, res, backend: str, phi_next=None):
         return _traced_reference_post(x, f, post, res), _no_partial(x)
     if as_ops():
         return post_forward_linked(x, link, f, post, res, backend, phi_next)
+    if _native(x, backend):
+        plans = _plan(x, "post", True, phi_next is not None, post_gradient_to_pre_for(x, backend))
+        return tuple(native.extension().post(*plans, True, x, link, f, post, res, phi_next))
     return _EagerPostLinked.apply(x, link, f, post, res, backend, phi_next)
