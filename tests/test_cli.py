@@ -148,3 +148,15 @@ def test_grade_and_variants_take_relative_paths(tmp_path, monkeypatch):
     assert main(["grade", "nowhere", "--out", "out"]) == 2  # named in the error, and nothing written
     assert not (tmp_path / "out").exists()
 
+
+
+def test_doctor_names_a_failed_build_of_the_cpp_ops():
+    """On a GPU whose site ops (C++) did not build, the doctor says so, why, and how to mend it."""
+    info = {"versions": {name: "1" for name in doctor.NEEDED}, "cuda": True, "gpu": "GPU", "compute_capability": "9.0",
+            "cpu_threads": 2, "platform": "Linux", "native": "building mhc_lab's C++ site ops failed: no ninja"}
+    found = doctor.problems(info)
+    assert len(found) == 1 and "no ninja" in found[0]["what"] and "pip install ninja" in found[0]["fix"], found
+    info["problems"], info["ready"] = found, False
+    assert "the site's CUDA ops in C++ (mhc_lab/ops/native.cpp): FAILED: building" in doctor.format_report(info)
+    info["native"] = ""
+    assert doctor.problems(info) == [] and "native.cpp): built" in doctor.format_report(info)

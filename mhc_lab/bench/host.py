@@ -40,7 +40,7 @@ def where(key) -> str:
 
 
 def python_profile(step, steps: int, *, top: int) -> dict:
-    """cProfile over ``steps`` calls of step(), the GPU synchronised at the end: the wall time per step under it
+    """cProfile over ``steps`` calls of step(), the GPU (if any) synchronised at the end: the wall time per step under it
     (ms, its own cost included), the Python functions' own time per step in all (us), and the ``top`` functions
     by own time and by cumulative time per step (us, cumulative_us, calls, function)."""
     profiler = cProfile.Profile()
@@ -48,7 +48,8 @@ def python_profile(step, steps: int, *, top: int) -> dict:
     profiler.enable()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     profiler.disable()
     profiled_ms = (time.perf_counter() - start) / steps * 1e3
     stats = pstats.Stats(profiler).stats

@@ -142,6 +142,11 @@ def problems(info: dict) -> list[dict]:
         found.append({"what": f"{compiler['error']}; TileLang's C target cannot build its kernels, so the TileLang "
                               "cells of the labs fail on the CPU",
                       "fix": compiler_fix()})
+    if info.get("native"):
+        found.append({"what": f"the site's C++ ops did not build, so the fused kernels do not run on this GPU "
+                              f"(backend 'auto' runs the reference): {info['native']}",
+                      "fix": f"`{Path(sys.executable).name} -m pip install ninja` and a C++ compiler (the one "
+                             "TileLang's CUDA builds use), then `mhc-lab doctor` again"})
     for key, where in (("tilelang_cpu", "the CPU (C target)"), ("tilelang_gpu", "the GPU (CUDA)")):
         result = info.get(key)
         if result and not result["ok"] and not (key == "tilelang_cpu" and compiler and not compiler["ok"]):
@@ -283,6 +288,9 @@ def report(run_tilelang: bool = True, plan: bool = True, labs_dir: Path | None =
         name, capability, shared = cuda_device_facts(torch.device("cuda", 0))
         info["gpu"], info["compute_capability"] = name, f"{capability[0]}.{capability[1]}"
         info["kernel_paths"] = kernel_paths(capability, 4, shared_bytes=shared)  # per op, backend 'auto', n = 4
+        from mhc_lab.ops.native import native_refusal
+
+        info["native"] = native_refusal()  # "" where the site's C++ ops build (about 30 s the first time)
     info["compiler"] = compiler_check()
     if run_tilelang:
         info["tilelang_cpu"] = tilelang_known_answer("cpu")
@@ -313,6 +321,9 @@ def format_report(info: dict, cells: bool = False) -> str:
     if info.get("kernel_paths"):
         lines.append("mHC ops with backend 'auto' on this GPU (n = 4 lanes): "
                      + "; ".join(f"{op}: {path}" for op, path in info["kernel_paths"].items()))
+    if "native" in info:
+        lines.append("the site's CUDA ops in C++ (mhc_lab/ops/native.cpp): "
+                     + ("built" if not info["native"] else f"FAILED: {info['native']}"))
     elif not info["cuda"]:
         lines.append("mHC ops with backend 'auto': the reference (PyTorch) on the CPU; backend='kernels' runs "
                      "TileLang's C target")

@@ -19,12 +19,13 @@ label nothing themselves: the lab prints each section's recording_label beside i
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
 from mhc_lab.bench.common import N
 from mhc_lab.bench.copy_floor import copy_floor_counts, copy_floor_plan
-from mhc_lab.bench.host import where
+from mhc_lab.bench.host import python_profile, where
 from mhc_lab.bench.stack import PROFILED, STACK_KINDS, plain_of
 from mhc_lab.course.training_recorded import (
     BLOCK_IMPLEMENTATIONS, CHAINED_KERNEL_ELEMENTS, SITE_IMPLEMENTATIONS, kernel_label,
@@ -518,8 +519,6 @@ def profile_host_cpu(*, width: int = 64, tokens: int = 32, layers: int = 8, step
     MHCResidualStream with the reference backend, trained one step at a time: ms per step of each (wall clock
     over ``steps`` steps), and cProfile over ``steps`` steps of the mHC stack: per step, each Python function's
     own and cumulative time and calls. Here the host does all the work, so the profile is the whole step."""
-    import cProfile
-    import pstats
     import time
 
     from mhc_lab.bench.stack import Stack
@@ -541,14 +540,9 @@ def profile_host_cpu(*, width: int = 64, tokens: int = 32, layers: int = 8, step
         for _ in range(steps):
             step()
         out["ms"][kind] = (time.perf_counter() - start) / steps * 1e3
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats
-    out["functions"] = [{"us": v[2] / steps * 1e6, "cumulative_us": v[3] / steps * 1e6, "calls": v[1] / steps,
-                         "function": where(k)} for k, v in stats.items() if k[0] != __file__]  # step() is ours
+    rows = python_profile(step, steps, top=sys.maxsize)["by_own_time"]
+    out["functions"] = [row for row in rows if not row["function"].endswith(f"({step.__name__})")
+                        or "step_time.py" not in row["function"]]  # step() is ours
     return out
 
 

@@ -266,8 +266,10 @@ pre_backward = torch.library.custom_op("mhc_lab::pre_backward", pre_backward_imp
 
 @pre_backward.register_fake
 def _(x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, backend, post_grad=False):
+    from mhc_lab.kernels.pre_backward_operands import EXTRA  # bias's and alpha's gradients, then the tokens' ds
+
     m = mixes_width(x.shape[1])
-    return torch.empty_like(x), torch.empty_like(phi), x.new_empty((m + 4,), dtype=coefficient_dtype(x))
+    return torch.empty_like(x), torch.empty_like(phi), x.new_empty((m + EXTRA,), dtype=coefficient_dtype(x))
 
 
 def _pre_setup_context(ctx, inputs, output):
