@@ -39,18 +39,21 @@ def where(key) -> str:
     return f"{path}:{line}({name})"
 
 
-def python_profile(step, steps: int, *, top: int) -> dict:
-    """cProfile over ``steps`` calls of step(), the GPU (if any) synchronised at the end: the wall time per step under it
-    (ms, its own cost included), the Python functions' own time per step in all (us), and the ``top`` functions
-    by own time and by cumulative time per step (us, cumulative_us, calls, function)."""
+def python_profile(step, steps: int, *, top: int, synchronize: bool = True) -> dict:
+    """cProfile over ``steps`` calls of step(), the GPU synchronised at the end (unless not synchronize: a CPU
+    step): the wall time per step under it (ms, its own cost included), the Python functions' own time per step
+    in all (us), and the ``top`` functions by own time and by cumulative time per step (us, cumulative_us,
+    calls, function)."""
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
-    for _ in range(steps):
-        step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    profiler.disable()
+    try:
+        for _ in range(steps):
+            step()
+        if synchronize:
+            torch.cuda.synchronize()
+    finally:
+        profiler.disable()  # an error in step() must not leave the profiler installed
     profiled_ms = (time.perf_counter() - start) / steps * 1e3
     stats = pstats.Stats(profiler).stats
     rows = [{"us": round(v[2] / steps * 1e6, 1), "cumulative_us": round(v[3] / steps * 1e6, 1),
