@@ -1280,6 +1280,45 @@ def test_cuda_eager_site_runs_the_native_ops_and_autograd():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for c in connections for p in c.parameters())
 
 
+@needs_cuda
+@pytest.mark.parametrize("n,C", [(4, 136), (2, 40), (8, 16), (1, 1000)])
+def test_cuda_native_chain_keeps_the_lanes_leading_dims(n, C):
+    """Three chained sites on lanes [2, 37, n, C] through the kernels: native.cpp's ops take and give the lanes'
+    leading dims (no view, reshape or expand in the graph: only the C++ nodes and the layers') and match the same
+    chain with the reference backend in float64, output and every gradient (bf16 tolerance)."""
+    from mhc_lab.ops import MHCConnection, run_sites
+
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(2, 37, n, C, generator=gen)
+    weights = [torch.rand(C, generator=gen) + 0.5 for _ in range(3)]
+    g = torch.randn(2, 37, n, C, generator=gen)
+    runs, names = {}, set()
+    for backend, dtype in (("kernels", torch.bfloat16), ("reference", torch.float64)):
+        connections = [MHCConnection(n, C, backend=backend).cuda() for _ in weights]
+        if backend == "reference":
+            connections = [c.double() for c in connections]
+        with torch.no_grad():
+            for i, c in enumerate(connections):
+                c.phi.copy_(torch.randn(c.phi.shape, generator=torch.Generator().manual_seed(7 + i)) / (n * C) ** 0.5)
+        layers = [lambda y, w=w.to("cuda", dtype): torch.tanh(y * w) for w in weights]
+        leaf = x.to("cuda", torch.bfloat16).to(dtype).requires_grad_()
+        out = run_sites(leaf, connections, layers)
+        if backend == "kernels":
+            stack = [out.grad_fn]
+            while stack:
+                node = stack.pop()
+                if node is not None and node.name() not in names:
+                    names.add(node.name())
+                    stack.extend(next_node for next_node, _ in node.next_functions)
+        params = [p for c in connections for p in c.parameters()]
+        runs[backend] = (out, *torch.autograd.grad(out, [leaf, *params], g.to("cuda", dtype)))
+    assert names == {"torch::autograd::CppNode<mhc_native::Pre>", "torch::autograd::CppNode<mhc_native::Post>",
+                     "TanhBackward0", "MulBackward0", "torch::autograd::AccumulateGrad"}, names
+    for i, (got, want) in enumerate(zip(runs["kernels"], runs["reference"])):
+        assert got.shape == want.shape, i
+        assert float((got.double() - want).norm() / want.norm()) < 2e-2, i
+
+
 def test_native_ops_refuse_lanes_off_the_gpu():
     """The C++ ops build on a machine without a GPU too, and refuse lanes that are not bfloat16 CUDA tensors by
     name."""
@@ -1289,7 +1328,7 @@ def test_native_ops_refuse_lanes_off_the_gpu():
     plan = ext.Plan()
     plan.n, plan.C = 4, 8
     x, phi, bias, alpha, f = _site_inputs((3,), 4, 8)
-    with pytest.raises(RuntimeError, match=r"pre_forward: x: expected bfloat16 lanes \[T, n, C\] on a CUDA device"):
+    with pytest.raises(RuntimeError, match=r"pre_forward: x: expected bfloat16 lanes \[\.\.\., n, C\]"):
         ext.pre_forward(plan, x.float(), phi, bias, alpha, None)
     with pytest.raises(RuntimeError, match=r"post_forward: x: expected bfloat16 lanes"):
         ext.post_forward(plan, x.bfloat16(), f.bfloat16(), torch.ones(3, 4), torch.ones(3, 4, 4), None)
@@ -1331,6 +1370,7 @@ def test_native_plans_hold_the_kernels_each_site_op_launches(monkeypatch):
     post, post_backward = site_ops._plan(x, "post", False, False, False)
     assert post.post and not post.post_project and post_backward.lanes_grad
     assert site_ops._plan(x, "post", False, False, False)[0] is post  # read back, not chosen again
+    assert site_ops._plan(_LanesOnAGpu(2, 8, 4, 64), "post", False, False, False)[0] is post  # any leading dims
     x3 = _LanesOnAGpu(8, 3, 64)
     fused = site_ops._plan(x3, "pre_backward", PROJECTION_SPLITS, True, False)
     assert fused.k1_fused and not fused.k1_reduce and fused.add_dx and not fused.post_grad

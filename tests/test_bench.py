@@ -979,6 +979,18 @@ def test_host_part_times_the_chained_site(monkeypatch):
     rows = out["host_us_by_function"]
     assert 0 < len(rows) <= 5 and [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
     assert {"us", "calls", "function"} == set(rows[0])
+    events = out["host_us_by_event"]
+    _check_host_events(events, 5)
+
+
+def _check_host_events(events, top):
+    """torch.profiler's host events of a CPU step: the most own time first, inside >= own, the step's ATen ops
+    among them; native.cpp's events (none without a GPU) only where named so."""
+    rows = events["by_own_time"]
+    assert 0 < len(rows) <= top and [r["own_us"] for r in rows] == sorted((r["own_us"] for r in rows), reverse=True)
+    assert all(r["us"] >= r["own_us"] >= 0 and r["calls"] > 0 for r in rows)
+    assert any(r["event"].startswith("aten::") for r in rows)
+    assert all(r["event"].startswith("mhc_lab") for r in events["native"])
 
 
 
@@ -1189,6 +1201,7 @@ def test_stack_benchmark_times_each_kind_on_calls_of_its_own_step(monkeypatch):
         rows = host[order]
         assert 0 < len(rows) <= bs.TOP and [r[key] for r in rows] == sorted((r[key] for r in rows), reverse=True)
     assert any("mhc_lab/ops/modules.py" in r["function"] for r in host["by_cumulative_time"])
+    _check_host_events(host["events"], bs.TOP)
 
     ratios = out["over_residual"]
     assert set(ratios["launched"]) == set(ratios["graph"]) == set(kinds[1:]) == set(out["per_site_over_residual"])

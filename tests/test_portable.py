@@ -51,6 +51,7 @@ def _gpu(monkeypatch, capability):
     facts = (NAMES[capability], capability, shared_bytes_per_block(capability))
     monkeypatch.setattr(dispatch, "cuda_device_facts", lambda device: facts)
     monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_RESOLVED", {})
     return facts
 
 

@@ -1,7 +1,8 @@
 """What the host costs per site (part 'host' of the training benchmark, not among its default parts): the
 chained site's forward + backward at a small shape, where the GPU's work is a few microseconds per kernel, timed
 launched (wall clock per step) and as a CUDA graph (the GPU alone), with its kernels per step (profiler) and the
-Python functions that take the host's time (cProfile, own time)."""
+Python functions that take the host's time (cProfile, own time), and the host's events under torch.profiler
+(ATen ops, autograd nodes, CUDA launches, the C++ ops of native.cpp and their kernels' launches)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,28 @@ def python_profile(step, steps: int, *, top: int, synchronize: bool = True) -> d
             "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_us"])[:top]}
 
 
+def event_profile(step, steps: int, *, top: int) -> dict:
+    """torch.profiler's host events over ``steps`` calls of step(): for each event name (an ATen op, an autograd
+    node, a CUDA runtime or driver call such as cudaLaunchKernel or cuLaunchKernel, native.cpp's ops
+    "mhc_lab_native::*" and its kernels' launches "mhc_lab launch: *") the host time per step inside it (us,
+    nested events included), its own time (us, nested events excluded) and its calls per step; the ``top`` by
+    own time, and every native.cpp event. The profiler's own cost is in these times (about a microsecond per
+    event): they say where the time goes, wall_ms says how much there is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    supported = torch.profiler.supported_activities()
+    activities = [a for a in (ProfilerActivity.CPU, ProfilerActivity.CUDA) if a in supported]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [{"us": round(e.cpu_time_total / steps, 1), "own_us": round(e.self_cpu_time_total / steps, 1),
+             "calls": e.count / steps, "event": e.key}
+            for e in prof.key_averages() if e.device_type.name == "CPU" and e.key != "cudaDeviceSynchronize"]
+    return {"by_own_time": sorted(rows, key=lambda r: -r["own_us"])[:top],
+            "native": sorted((r for r in rows if r["event"].startswith("mhc_lab")), key=lambda r: -r["us"])}
+
+
 def bench_host(tokens: int = 256, C: int = 768, *, steps: int = 200, top: int = 25, log=print) -> dict:
     """The chained site at tokens x C: launched and graph wall times, its kernels' GPU time and count, and the
     ``top`` Python functions by own time per step."""
@@ -77,8 +100,13 @@ def bench_host(tokens: int = 256, C: int = 768, *, steps: int = 200, top: int = 
     out["kernel_ms"], out["kernels_per_step"] = kernel_totals(kernel_times(site))
     profile = python_profile(site, steps, top=top)
     out["host_us_by_function"] = [{k: row[k] for k in ("us", "calls", "function")} for row in profile["by_own_time"]]
+    out["host_us_by_event"] = event_profile(site, steps, top=top)
     log(f"  host: site {tokens}x{C} chained: {out['launched_ms']:.3f} ms launched, {out['graph_ms']:.3f} ms as a "
         f"CUDA graph, {out['kernels_per_step']:.0f} kernels ({out['kernel_ms']:.3f} ms of kernel time)")
     for row in out["host_us_by_function"]:
         log(f"    {row['us']:8.1f} us  {row['calls']:6.1f} calls  {row['function']}")
+    log("  host events by own time per step (torch.profiler; us inside, us own, calls):")
+    events = out["host_us_by_event"]
+    for row in events["by_own_time"] + [r for r in events["native"] if r not in events["by_own_time"]]:
+        log(f"    {row['us']:8.1f} {row['own_us']:8.1f} {row['calls']:6.1f}  {row['event']}")
     return {"site": out}

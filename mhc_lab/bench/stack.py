@@ -36,7 +36,7 @@ from mhc_lab.bench.common import (
     round_ratios,
     tilekernels_ops,
 )
-from mhc_lab.bench.host import python_profile, wall_ms
+from mhc_lab.bench.host import event_profile, python_profile, wall_ms
 from mhc_lab.bench.kernels import kernel_times, kernel_totals
 from mhc_lab.measure.schemas import (
     STACK_ALL_KINDS,
@@ -138,7 +138,7 @@ def host_profile(step, steps: int, *, top: int = TOP) -> dict:
     """Where the host's time of ``steps`` launched steps goes: the wall time per step of the forward (with the
     loss) and of the backward, timed apart without synchronising between them; then cProfile over ``steps``
     steps: the wall time per step under it, the Python functions' own time per step in all, and the ``top``
-    functions by own time and by cumulative time per step."""
+    functions by own time and by cumulative time per step; then torch.profiler's host events (events)."""
     step()
     torch.cuda.synchronize()
     forward = backward = 0.0
@@ -150,7 +150,7 @@ def host_profile(step, steps: int, *, top: int = TOP) -> dict:
         forward, backward = forward + t1 - t0, backward + time.perf_counter() - t1
     torch.cuda.synchronize()
     return {"steps": steps, "forward_ms": forward / steps * 1e3, "backward_ms": backward / steps * 1e3,
-            **python_profile(step, steps, top=top)}
+            **python_profile(step, steps, top=top), "events": event_profile(step, steps, top=top)}
 
 
 def _compile_every_stack() -> None:
@@ -323,3 +323,6 @@ def _log_table(out: dict, log) -> None:
             f"step; functions by own time per step:")
         for row in host["by_own_time"][:10]:
             log(f"      {row['us']:8.1f} us {row['calls']:6.1f} calls  {row['function']}")
+        log("      host events by own time per step (torch.profiler; us inside, us own, calls):")
+        for row in host["events"]["by_own_time"][:20]:
+            log(f"      {row['us']:8.1f} {row['own_us']:8.1f} {row['calls']:6.1f}  {row['event']}")

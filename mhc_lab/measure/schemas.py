@@ -386,6 +386,18 @@ TRAINING_BLOCK_KERNELS = _section("Where a block's extra time goes, per width an
         "own_against_alone": COMPARISON,
     })),
 })
+HOST_EVENT = obj("One host event under torch.profiler.", required={
+    "us": number("Microseconds per step inside the event, nested events included."),
+    "own_us": number("Microseconds per step in the event itself, nested events excluded."),
+    "calls": number("Calls per step."),
+    "event": text("The event: an ATen op, an autograd node, a CUDA runtime or driver call, a C++ op of native.cpp "
+                  "(mhc_lab_native::*) or one of its kernels' launches (mhc_lab launch: *)."),
+})
+HOST_EVENTS = obj("Where the host's time goes by torch.profiler's events, per step (the profiler's own cost "
+                  "included).", required={
+    "by_own_time": array("The events with the most own time per step, the most first.", HOST_EVENT),
+    "native": array("native.cpp's ops and launches, the most time first.", HOST_EVENT),
+})
 TRAINING_HOST = _section("What the host costs per chained site at a small shape (part 'host').", required={
     "site": obj("The chained site, forward + backward.", required={
         "tokens": integer("Tokens."), "C": integer("Width."),
@@ -397,7 +409,7 @@ TRAINING_HOST = _section("What the host costs per chained site at a small shape 
                                      obj("One function.", required={
                                          "us": number("Own microseconds per step."),
                                          "calls": number("Calls per step."), "function": text("Where.")})),
-    }),
+    }, optional={"host_us_by_event": HOST_EVENTS}),
 })
 _PATH_KEYS = "'<path>.<what>': path hopper or portable, what linked_forward, linked or chained"
 TRAINING_PORTABLE = _section("One site with the Hopper programs and with the portable ones (part 'portable').",
@@ -501,7 +513,7 @@ TRAINING_STACK = _section(
                                      HOST_FUNCTION),
                 "by_cumulative_time": array("The functions with the most cumulative time per step, the most first.",
                                             HOST_FUNCTION),
-            }),
+            }, optional={"events": HOST_EVENTS}),
         })),
     })
 DEEPSEEK_V4_KINDS = ("unpatched", "patched")

@@ -76,12 +76,24 @@ def _gpu_refusal(x: torch.Tensor) -> str | None:
 _warned: set[str] = set()  # the reasons resolve_backend has warned of in this process
 
 
+_RESOLVED: dict = {}  # (backend, device, dtype, n, C) -> the backend that runs: a site asks on every call
+
+
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     """'auto' -> 'kernels' on CUDA where they apply (the GPU's architecture included), else 'reference', with a
     warning, once per process and reason, where the lanes suit the kernels but their GPU cannot run them;
-    'kernels' is checked, not downgraded (an InputError that names the GPU where it is the GPU)."""
+    'kernels' is checked, not downgraded (an InputError that names the GPU where it is the GPU). Decided once
+    per backend, device, dtype, n and C (the checks cost a site tens of microseconds of host time)."""
     if backend not in BACKENDS:
         raise InputError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    key = (backend, x.device, x.dtype, x.shape[-2], x.shape[-1])
+    chosen = _RESOLVED.get(key)
+    if chosen is None:
+        chosen = _RESOLVED[key] = _resolve_backend(backend, x)
+    return chosen
+
+
+def _resolve_backend(backend: str, x: torch.Tensor) -> str:
     if backend == "reference":
         return backend
     ok, why = kernels_apply(x)
@@ -154,7 +166,7 @@ def post_gradient_to_pre_for(x: torch.Tensor, backend: str) -> bool:
     kernel 2 lost more than the post's backward saved. Decided at the forward, for both ops of a site."""
     from mhc_lab.kernels.pre_backward_lanes import consumer_groups_for
 
-    return backend == "kernels" and x.device.type == "cuda" and consumer_groups_for(x.shape[1]) == 2
+    return backend == "kernels" and x.device.type == "cuda" and consumer_groups_for(x.shape[-2]) == 2
 
 
 @functools.lru_cache(maxsize=None)

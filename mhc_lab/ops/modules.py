@@ -33,11 +33,9 @@ from mhc_lab.reference.validate import InputError, require_lanes, require_positi
 def mhc_pre(x, phi, bias, alpha, *, backend: str = "auto"):
     """(layer input H_pre x [..., C], H_post [..., n] f32, H_res [..., n, n] f32), differentiable in x, phi,
     bias and alpha. DeepSeek-V4 convention, 20 Sinkhorn rounds (mhc_lab.reference.mhc_coefficients)."""
-    n, C = check_site(x, phi, bias, alpha, "mhc_pre")
-    chosen = resolve_backend(backend, x)
-    batch = tuple(x.shape[:-2])
-    y, post, res, _, _, _ = run_pre_forward(x.reshape(-1, n, C), phi, bias, alpha, chosen)
-    return y.view(*batch, C), post.view(*batch, n), res.view(*batch, n, n)
+    check_site(x, phi, bias, alpha, "mhc_pre")
+    y, post, res, _, _, _ = run_pre_forward(x, phi, bias, alpha, resolve_backend(backend, x))
+    return y, post, res
 
 
 def mhc_post(x, layer_output, post, res, *, backend: str = "auto"):
@@ -52,10 +50,7 @@ def mhc_post(x, layer_output, post, res, *, backend: str = "auto"):
         if not value.is_floating_point():
             raise InputError(f"mhc_post: {name}: expected a floating-point tensor, got {value.dtype} "
                              f"({_describe(value)})")
-    chosen = resolve_backend(backend, x)
-    out = run_post_forward(x.reshape(-1, n, C), layer_output.reshape(-1, C), post.reshape(-1, n),
-                       res.reshape(-1, n, n), chosen)
-    return out.view(*batch, n, C)
+    return run_post_forward(x, layer_output, post, res, resolve_backend(backend, x))
 
 
 def mhc_site(x, phi, bias, alpha, layer, *, backend: str = "auto"):
@@ -74,12 +69,10 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
     while x_next is on chip, so the next pre reads the lanes once instead of twice (4C fewer per token at
     n = 4 in the forward). partial_next is None when next_phi is None or the fused projection does not apply
     (fused_projection_applies)."""
-    n, C = check_site(x, phi, bias, alpha, "mhc_site")
+    check_site(x, phi, bias, alpha, "mhc_site")
     chosen = resolve_backend(backend, x)
-    batch = tuple(x.shape[:-2])
-    lanes = x.reshape(-1, n, C)
-    y, post, res, _, _, link = run_pre_forward(lanes, phi, bias, alpha, chosen, partial, linked=True)
-    f = layer(y.view(*batch, C))
+    y, post, res, _, _, link = run_pre_forward(x, phi, bias, alpha, chosen, partial, linked=True)
+    f = layer(y)
     check_layer_output(x, f, "mhc_site")
     if next_phi is not None:
         require_tensor("next_phi", next_phi)
@@ -91,8 +84,8 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
                              f"({_describe(next_phi)})")
         if not fused_projection_applies(chosen, x):
             next_phi = None
-    out, partial_next = run_post_forward_linked(lanes, link, f.reshape(-1, C), post, res, chosen, next_phi)
-    return out.view(*batch, n, C), (partial_next if next_phi is not None else None)
+    out, partial_next = run_post_forward_linked(x, link, f, post, res, chosen, next_phi)
+    return out, (partial_next if next_phi is not None else None)
 
 
 def run_sites(x, connections, layers):

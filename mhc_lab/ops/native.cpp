@@ -13,11 +13,16 @@
 //   post_backward(plan, x, f, post, res, g)              -> dx, df, dpost, dres
 //   pre(...), post(...)                                   the same forwards, differentiable (torch autograd)
 //
+// x: lanes [..., n, C]; the per-token outputs keep x's leading dims (y [..., C], post [..., n], res [..., n, n]).
 // The contracts (shapes, dtypes, what link and partial stand for) are those of mhc_lab/ops/site_ops.py.
 
 #include <torch/extension.h>
 
+#include <ATen/record_function.h>
+
 #include <c10/core/DeviceGuard.h>
+#include <c10/util/accumulate.h>
+#include <c10/util/strides.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -64,31 +69,33 @@ DLDataType dl_dtype(const Tensor& t) {
   }
 }
 
-// One kernel call: its tensors as DLTensors (views of the torch tensors, which outlive the call).
+// One kernel call: its tensors as DLTensors (views of the torch tensors, which outlive the call). `as` hands a
+// contiguous tensor over in the shape the kernel declares (lanes [..., n, C] as [T, n, C] or [T, n*C]) without
+// making a view of it on the host.
 class Call {
  public:
   explicit Call(const char* name) : name_(name) {}
 
-  Call& operator<<(const Tensor& t) {
-    TORCH_CHECK(count_ < kMax, name_, ": too many arguments");
-    DLTensor& d = tensors_[count_];
-    d.data = t.data_ptr();
-    d.device = DLDevice{t.is_cuda() ? kDLCUDA : kDLCPU, t.is_cuda() ? static_cast<int32_t>(t.get_device()) : 0};
-    d.ndim = static_cast<int32_t>(t.dim());
-    d.dtype = dl_dtype(t);
-    d.shape = const_cast<int64_t*>(t.sizes().data());
-    d.strides = const_cast<int64_t*>(t.strides().data());
-    d.byte_offset = 0;
-    TVMFFIAny& a = args_[count_];
-    a.type_index = kTVMFFIDLTensorPtr;
-    a.zero_padding = 0;
-    a.v_int64 = 0;
-    a.v_ptr = &d;
-    ++count_;
-    return *this;
+  Call& arg(const Tensor& t) { return add(t, t.sizes(), t.strides()); }
+
+  Call& as(const Tensor& t, std::initializer_list<int64_t> shape) {
+    const int i = count_;
+    TORCH_CHECK(i < kMax && static_cast<int>(shape.size()) <= kDims, name_, ": too many arguments or dimensions");
+    TORCH_CHECK(t.is_contiguous() && c10::multiply_integers(shape) == t.numel(), name_, ": a tensor of shape ",
+                t.sizes(), " handed over as ", at::IntArrayRef(shape));
+    const auto dims = static_cast<int64_t>(shape.size());
+    std::copy(shape.begin(), shape.end(), shapes_[i]);
+    int64_t stride = 1;
+    for (int64_t d = dims - 1; d >= 0; --d) {
+      strides_[i][d] = stride;
+      stride *= shapes_[i][d];
+    }
+    return add(t, at::IntArrayRef(shapes_[i], dims), at::IntArrayRef(strides_[i], dims));
   }
 
   void run(Entry entry) {
+    // a profiler's trace names each launch (the launch's host time, not the kernel's GPU time)
+    RECORD_FUNCTION(name_, std::vector<c10::IValue>());
     TORCH_CHECK(entry != 0, name_, ": the plan holds no such kernel (built for another configuration)");
     TVMFFIAny result;
     result.type_index = kTVMFFINone;
@@ -104,15 +111,36 @@ class Call {
                std::string(cell->message.data, cell->message.size);
         TVMFFIObjectDecRef(error);
       }
-      TORCH_CHECK(false, "mhc_lab kernel ", name_, " failed: ", what);
+      TORCH_CHECK(false, name_, " failed: ", what);
     }
   }
 
  private:
-  static constexpr int kMax = 16;
+  static constexpr int kMax = 16, kDims = 4;
+
+  Call& add(const Tensor& t, at::IntArrayRef shape, at::IntArrayRef strides) {
+    TORCH_CHECK(count_ < kMax, name_, ": too many arguments");
+    DLTensor& d = tensors_[count_];
+    d.data = t.data_ptr();
+    d.device = DLDevice{t.is_cuda() ? kDLCUDA : kDLCPU, t.is_cuda() ? static_cast<int32_t>(t.get_device()) : 0};
+    d.ndim = static_cast<int32_t>(shape.size());
+    d.dtype = dl_dtype(t);
+    d.shape = const_cast<int64_t*>(shape.data());
+    d.strides = const_cast<int64_t*>(strides.data());
+    d.byte_offset = 0;
+    TVMFFIAny& a = args_[count_];
+    a.type_index = kTVMFFIDLTensorPtr;
+    a.zero_padding = 0;
+    a.v_int64 = 0;
+    a.v_ptr = &d;
+    ++count_;
+    return *this;
+  }
+
   const char* name_;
   DLTensor tensors_[kMax];
   TVMFFIAny args_[kMax];
+  int64_t shapes_[kMax][kDims], strides_[kMax][kDims];
   int count_ = 0;
 };
 
@@ -132,156 +160,257 @@ class OnDevice {
   TVMFFIStreamHandle previous_ = nullptr;
 };
 
-void check_cuda(const Tensor& x, const char* op) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.scalar_type() == at::kBFloat16,
-              op, ": x: expected bfloat16 lanes [T, n, C] on a CUDA device, got ", x.sizes(), " ", x.scalar_type(),
-              " on ", x.device());
+// ------------------------------------------------------------------------------------------- allocations
+//
+// Each at::empty and each view made through ATen costs the host a dispatch (an allocation also a trip through
+// the caching allocator), several microseconds each where one site's forward and backward made about twenty.
+// So an op's small tensors share one allocation, views are made by hand on a tensor's storage, and the lanes
+// keep their leading dims ([..., n, C]: no reshape before the ops, no view backward after them).
+
+// A tensor of this dtype, sizes and strides on t's storage, elements from t's start on (no dispatch; autograd
+// does not see it as a view of t: made only for scratch and for outputs, never written through another).
+Tensor on_storage(const Tensor& t, at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype,
+                  int64_t byte_offset = 0) {
+  Tensor out = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(),
+                                                        c10::scalarTypeToTypeMeta(dtype));
+  const int64_t start = t.storage_offset() * static_cast<int64_t>(t.element_size()) + byte_offset;
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, start / c10::elementSize(dtype));
+  return out;
 }
 
-Tensor f32(const Tensor& t) { return t.to(at::kFloat).contiguous(); }
+// The lanes' leading dims followed by these: [..., n, C] -> [..., tail].
+c10::DimVector batch_shape(const Tensor& x, std::initializer_list<int64_t> tail) {
+  c10::DimVector shape(x.sizes().begin(), x.sizes().end() - 2);
+  shape.append(tail.begin(), tail.end());
+  return shape;
+}
 
-Tensor empty_partial(const Tensor& x) { return at::empty({0}, x.options().dtype(at::kFloat)); }
+struct Piece {
+  c10::DimVector sizes;
+  at::ScalarType dtype;
+  bool broadcast = false;  // one element seen at every index (strides 0): link
+};
 
-// phi [n^2+2n, nC] split into bf16 hi and lo rows (the projection's tensor-core operand)
-Tensor split_phi(const Plan& p, const Tensor& phi32) {
-  Tensor phi_hl = at::empty({p.phi_rows, p.n * p.C}, phi32.options().dtype(at::kBFloat16));
-  (Call("phi split") << phi32 << phi_hl).run(p.phi_split);
-  return phi_hl;
+// The pieces, each contiguous (or broadcast), in one allocation where pooled, else one allocation each:
+// torch.library's custom ops promise outputs that alias nothing, not even each other, so only the C++ autograd
+// path pools its outputs (scratch is always pooled).
+std::vector<Tensor> allocate(const Tensor& like, std::initializer_list<Piece> pieces, bool pooled) {
+  constexpr int64_t kAlign = 256;  // each piece's start, for the kernels' wide loads
+  std::vector<Tensor> out;
+  out.reserve(pieces.size());
+  c10::SmallVector<int64_t, 8> offsets;
+  int64_t bytes = 0;
+  for (const Piece& piece : pieces) {
+    offsets.push_back(bytes);
+    const int64_t count = piece.broadcast ? 1 : c10::multiply_integers(piece.sizes);
+    bytes += (count * static_cast<int64_t>(c10::elementSize(piece.dtype)) + kAlign - 1) / kAlign * kAlign;
+  }
+  const Tensor block = pooled ? at::empty({bytes}, like.options().dtype(at::kByte)) : Tensor();
+  size_t i = 0;
+  for (const Piece& piece : pieces) {
+    const c10::DimVector strides = piece.broadcast ? c10::DimVector(piece.sizes.size(), 0)
+                                                   : c10::DimVector(c10::contiguous_strides(piece.sizes));
+    if (pooled) {
+      out.push_back(on_storage(block, piece.sizes, strides, piece.dtype, offsets[i++]));
+    } else {
+      const int64_t count = piece.broadcast ? 1 : c10::multiply_integers(piece.sizes);
+      out.push_back(on_storage(at::empty({count}, like.options().dtype(piece.dtype)), piece.sizes, strides,
+                               piece.dtype));
+    }
+  }
+  return out;
 }
 
 // ------------------------------------------------------------------------------------------------ the ops
 
-std::vector<Tensor> pre_forward(const Plan& p, const Tensor& x_in, const Tensor& phi, const Tensor& bias,
-                                const Tensor& alpha, const std::optional<Tensor>& partial_in) {
-  check_cuda(x_in, "pre_forward");
+// T of lanes x [..., n, C], bf16 on a CUDA device, n and C the plan's.
+int64_t tokens_of(const Tensor& x, const Plan& p, const char* op) {
+  TORCH_CHECK(x.is_cuda() && x.dim() >= 2 && x.scalar_type() == at::kBFloat16, op,
+              ": x: expected bfloat16 lanes [..., n, C] on a CUDA device, got ", x.sizes(), " ", x.scalar_type(),
+              " on ", x.device());
+  TORCH_CHECK(x.size(-2) == p.n && x.size(-1) == p.C, op, ": x: expected [..., ", p.n, ", ", p.C,
+              "] (the plan's), got ", x.sizes());
+  return x.numel() / (p.n * p.C);
+}
+
+Tensor as_dtype(const Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
+
+Tensor f32(const Tensor& t) { return as_dtype(t, at::kFloat).contiguous(); }
+
+// phi [n^2+2n, nC] split into bf16 hi and lo rows (the projection's tensor-core operand)
+Tensor split_phi(const Plan& p, const Tensor& phi32) {
+  Tensor phi_hl = at::empty({p.phi_rows, p.n * p.C}, phi32.options().dtype(at::kBFloat16));
+  Call("mhc_lab launch: phi split").arg(phi32).arg(phi_hl).run(p.phi_split);
+  return phi_hl;
+}
+
+// Each op takes lanes x [..., n, C] and gives its per-token outputs the same leading dims. pooled: the small
+// outputs share one allocation (the C++ autograd path; see allocate).
+
+std::vector<Tensor> pre_forward_impl(const Plan& p, const Tensor& x_in, const Tensor& phi, const Tensor& bias,
+                                     const Tensor& alpha, const std::optional<Tensor>& partial_in, bool pooled) {
+  RECORD_FUNCTION("mhc_lab_native::pre_forward", std::vector<c10::IValue>());
+  const int64_t T = tokens_of(x_in, p, "pre_forward"), n = p.n, C = p.C, m = p.mixes();
   const Tensor x = x_in.contiguous();
-  const int64_t T = x.size(0), n = p.n, C = p.C, m = p.mixes();
-  TORCH_CHECK(x.size(1) == n && x.size(2) == C, "pre_forward: x: expected [T, ", n, ", ", C, "] (the plan's), got ",
-              x.sizes());
-  const auto opts = x.options().dtype(at::kFloat);
-  Tensor y = at::empty({T, C}, x.options());
-  Tensor post = at::empty({T, n}, opts), res = at::empty({T, n, n}, opts), pre = at::empty({T, n}, opts);
   const bool projected = partial_in.has_value();
-  Tensor partial;
   if (projected) {
-    partial = partial_in->contiguous();
-    TORCH_CHECK(partial.dim() == 3 && partial.size(0) == p.splits && partial.size(1) == T &&
-                    partial.size(2) == m + 1 && partial.scalar_type() == at::kFloat,
+    const Tensor& given = *partial_in;
+    TORCH_CHECK(given.dim() == 3 && given.size(0) == p.splits && given.size(1) == T && given.size(2) == m + 1 &&
+                    given.scalar_type() == at::kFloat,
                 "pre_forward: partial_in: expected [", p.splits, ", ", T, ", ", m + 1, "] float32, got ",
-                partial.sizes(), " ", partial.scalar_type());
-  } else {
-    partial = at::empty({p.splits, T, m + 1}, opts);
+                given.sizes(), " ", given.scalar_type());
   }
+  const auto f = at::kFloat;
+  Tensor y = at::empty(batch_shape(x, {C}), x.options());
+  // link stands for H_res x without holding it: one element seen at every index, which nothing reads
+  auto small = allocate(x, {{batch_shape(x, {n}), f}, {batch_shape(x, {n, n}), f}, {batch_shape(x, {n}), f},
+                            {projected ? c10::DimVector{0} : c10::DimVector{p.splits, T, m + 1}, f},
+                            {c10::DimVector(x.sizes().begin(), x.sizes().end()), x.scalar_type(), true}},
+                        pooled);
+  const Tensor &post = small[0], &res = small[1], &pre = small[2];
+  const Tensor partial = projected ? partial_in->contiguous() : small[3];
   if (T > 0) {
     OnDevice on(x);
     const Tensor bias32 = f32(bias), alpha32 = f32(alpha);
     if (!projected) {
       const Tensor phi_hl = split_phi(p, f32(phi));
-      (Call("projection pass") << x.view({T, n * C}) << phi_hl << partial).run(p.project);
+      Call("mhc_lab launch: projection pass").as(x, {T, n * C}).arg(phi_hl).arg(partial).run(p.project);
     }
-    (Call("pre coefficients") << partial << bias32 << alpha32 << pre << post << res).run(p.coefficients);
-    (Call("lane mix") << x << pre << y).run(p.mix);
+    Call("mhc_lab launch: pre coefficients").arg(partial).arg(bias32).arg(alpha32).as(pre, {T, n})
+        .as(post, {T, n}).as(res, {T, n, n}).run(p.coefficients);
+    Call("mhc_lab launch: lane mix").as(x, {T, n, C}).as(pre, {T, n}).as(y, {T, C}).run(p.mix);
   }
-  // link stands for H_res x without holding it: a view of one element that nothing reads
-  Tensor link = at::empty({1}, x.options()).expand(x.sizes());
-  return {y, post, res, pre, projected ? empty_partial(x) : partial, link};
+  return {y, post, res, pre, small[3], small[4]};
 }
 
-std::vector<Tensor> pre_backward(const Plan& p, const Tensor& x_in, const Tensor& phi, const Tensor& bias,
-                                 const Tensor& alpha, const Tensor& pre, const Tensor& partial, const Tensor& res,
-                                 const Tensor& dy_in, const Tensor& dpost_in, const Tensor& dres_in,
-                                 const std::optional<Tensor>& dx_post) {
-  check_cuda(x_in, "pre_backward");
+std::vector<Tensor> pre_backward_impl(const Plan& p, const Tensor& x_in, const Tensor& phi, const Tensor& bias,
+                                      const Tensor& alpha, const Tensor& pre, const Tensor& partial,
+                                      const Tensor& res, const Tensor& dy_in, const Tensor& dpost_in,
+                                      const Tensor& dres_in, const std::optional<Tensor>& dx_post, bool pooled) {
+  RECORD_FUNCTION("mhc_lab_native::pre_backward", std::vector<c10::IValue>());
+  const int64_t T = tokens_of(x_in, p, "pre_backward"), n = p.n, C = p.C, m = p.mixes();
   const Tensor x = x_in.contiguous();
-  const int64_t T = x.size(0), n = p.n, C = p.C, m = p.mixes();
   const bool linked = p.add_dx || p.post_grad;
   TORCH_CHECK(linked == dx_post.has_value(), "pre_backward: dx_post: the plan ",
               linked ? "adds the linked post's gradient, got none" : "is for a pre without a linked post, got one");
-  const auto opts = x.options().dtype(at::kFloat);
-  Tensor dpre = at::empty({T, n}, opts), dtok = at::empty({T, m + p.extra}, opts), dmix = at::empty({T, m}, opts);
-  Tensor dsplit = at::empty({T, 3, 2 * p.gemm_depth}, x.options());
-  Tensor coef = at::empty({T, p.coef_width}, opts);
-  Tensor dphi_partial = (T > 0 ? at::empty({p.lane_splits, 2 * p.gemm_depth, n * C}, opts)
-                               : at::zeros({p.lane_splits, 2 * p.gemm_depth, n * C}, opts));
-  Tensor dx = at::empty_like(x);
-  if (T > 0) {
+  const auto f = at::kFloat;
+  const int64_t depth = p.gemm_depth, splits = p.lane_splits, width = m + p.extra, nC = n * C;
+  auto scratch = allocate(x, {{{T, n}, f}, {{T, width}, f}, {{T, m}, f}, {{T, 3, 2 * depth}, x.scalar_type()},
+                              {{T, p.coef_width}, f}, {{splits, 2 * depth, nC}, f}}, true);
+  const Tensor &dpre = scratch[0], &dtok = scratch[1], &dmix = scratch[2], &dsplit = scratch[3];
+  const Tensor &coef = scratch[4], &dphi_partial = scratch[5];
+  Tensor dx = at::empty(x.sizes(), x.options());
+  auto sums = allocate(x, {{{m, nC}, f}, {{width}, f}}, pooled);
+  Tensor &dphi = sums[0], &dtok_sum = sums[1];
+  if (T == 0) {
+    dphi.zero_();
+    dtok_sum.zero_();
+    return {dx, as_dtype(dphi, phi.scalar_type()), dtok_sum};
+  }
+  {
     OnDevice on(x);
     const Tensor dy = dy_in.contiguous(), dpost = f32(dpost_in), dres = f32(dres_in), pre32 = pre.contiguous();
     const Tensor bias32 = f32(bias), alpha32 = f32(alpha), partial_c = partial.contiguous();
     if (p.k1_fused != 0) {
-      (Call("pre backward kernel 1") << x << dy << partial_c << bias32 << alpha32 << dpost << dres << pre32 << dpre
-                                     << dtok << dmix << dsplit << coef).run(p.k1_fused);
+      Call("mhc_lab launch: pre backward kernel 1").as(x, {T, n, C}).as(dy, {T, C}).arg(partial_c).arg(bias32)
+          .arg(alpha32).as(dpost, {T, n}).as(dres, {T, n, n}).as(pre32, {T, n}).arg(dpre).arg(dtok).arg(dmix)
+          .arg(dsplit).arg(coef).run(p.k1_fused);
     } else {
-      (Call("pre backward kernel 1 (reduction)") << x << dy << dpre).run(p.k1_reduce);
-      (Call("pre backward kernel 1") << partial_c << bias32 << alpha32 << dpost << dres << pre32 << dpre << dtok
-                                     << dmix << dsplit << coef).run(p.k1_tokens);
+      Call("mhc_lab launch: pre backward kernel 1 (reduction)").as(x, {T, n, C}).as(dy, {T, C}).arg(dpre)
+          .run(p.k1_reduce);
+      Call("mhc_lab launch: pre backward kernel 1").arg(partial_c).arg(bias32).arg(alpha32).as(dpost, {T, n})
+          .as(dres, {T, n, n}).as(pre32, {T, n}).arg(dpre).arg(dtok).arg(dmix).arg(dsplit).arg(coef)
+          .run(p.k1_tokens);
     }
     const Tensor phi32 = f32(phi);
-    Call lanes("pre backward kernel 2");
-    lanes << x << dy << dsplit << coef << phi32;
+    Call lanes("mhc_lab launch: pre backward kernel 2");
+    lanes.as(x, {T, n, C}).as(dy, {T, C}).arg(dsplit).arg(coef).arg(phi32);
     Tensor more, res32;
     if (linked) {
-      more = dx_post->to(x.scalar_type()).contiguous();
-      lanes << more;
+      more = as_dtype(*dx_post, x.scalar_type()).contiguous();
+      lanes.as(more, {T, n, C});
     }
     if (p.post_grad) {
       res32 = f32(res);
-      lanes << res32;
+      lanes.as(res32, {T, n, n});
     }
-    (lanes << dx << dphi_partial).run(p.k2);
+    lanes.as(dx, {T, n, C}).arg(dphi_partial).run(p.k2);
   }
-  // dphi: kernel 2's partial sums over token splits and the dmix hi and lo halves (rows past m are padding)
+  // dphi: kernel 2's partial sums over token splits and the dmix hi and lo halves (its rows past m are padding)
+  const Tensor halves = on_storage(dphi_partial, {splits, 2, m, nC}, {2 * depth * nC, depth * nC, nC, 1}, f);
   const int64_t first_two[] = {0, 1};
-  Tensor dphi = dphi_partial.view({p.lane_splits, 2, p.gemm_depth, n * C}).narrow(2, 0, m)
-                    .sum(at::IntArrayRef(first_two, 2));
-  return {dx, dphi.to(phi.scalar_type()), dtok.sum(at::IntArrayRef(first_two, 1))};
+  at::sum_out(dphi, halves, at::IntArrayRef(first_two, 2));
+  at::sum_out(dtok_sum, dtok, at::IntArrayRef(first_two, 1));
+  return {dx, as_dtype(dphi, phi.scalar_type()), dtok_sum};
 }
 
 std::vector<Tensor> post_forward(const Plan& p, const Tensor& x_in, const Tensor& f_in, const Tensor& post,
                                  const Tensor& res, const std::optional<Tensor>& phi_next) {
-  check_cuda(x_in, "post_forward");
+  RECORD_FUNCTION("mhc_lab_native::post_forward", std::vector<c10::IValue>());
+  const int64_t T = tokens_of(x_in, p, "post_forward"), n = p.n, C = p.C, m = p.mixes();
   const Tensor x = x_in.contiguous(), f = f_in.contiguous();
-  const int64_t T = x.size(0), n = p.n, C = p.C, m = p.mixes();
-  TORCH_CHECK(x.size(1) == n && x.size(2) == C, "post_forward: x: expected [T, ", n, ", ", C, "] (the plan's), got ",
-              x.sizes());
-  Tensor out = at::empty_like(x);
-  Tensor partial = phi_next.has_value() ? at::empty({p.splits, T, m + 1}, x.options().dtype(at::kFloat))
-                                        : empty_partial(x);
+  Tensor out = at::empty(x.sizes(), x.options());
+  Tensor partial = at::empty(phi_next.has_value() ? c10::DimVector{p.splits, T, m + 1} : c10::DimVector{0},
+                             x.options().dtype(at::kFloat));
   if (T > 0) {
     OnDevice on(x);
     const Tensor post32 = f32(post), res32 = f32(res);
     if (phi_next.has_value() && p.post_project != 0) {  // the next lanes projected while on chip
       const Tensor phi_hl = split_phi(p, f32(*phi_next));
-      (Call("post + projection") << x << f << post32 << res32 << phi_hl << out << partial).run(p.post_project);
+      Call("mhc_lab launch: post + projection").as(x, {T, n, C}).as(f, {T, C}).as(post32, {T, n})
+          .as(res32, {T, n, n}).arg(phi_hl).as(out, {T, n, C}).arg(partial).run(p.post_project);
     } else {
-      (Call("post") << x << f << post32 << res32 << out).run(p.post);
+      Call("mhc_lab launch: post").as(x, {T, n, C}).as(f, {T, C}).as(post32, {T, n}).as(res32, {T, n, n})
+          .as(out, {T, n, C}).run(p.post);
       if (phi_next.has_value()) {  // the next pre's projection pass on the next lanes
         const Tensor phi_hl = split_phi(p, f32(*phi_next));
-        (Call("projection pass") << out.view({T, n * C}) << phi_hl << partial).run(p.project);
+        Call("mhc_lab launch: projection pass").as(out, {T, n * C}).arg(phi_hl).arg(partial).run(p.project);
       }
     }
   }
   return {out, partial};
 }
 
-std::vector<Tensor> post_backward(const Plan& p, const Tensor& x_in, const Tensor& f_in, const Tensor& post,
-                                  const Tensor& res, const Tensor& g_in) {
-  check_cuda(x_in, "post_backward");
+std::vector<Tensor> post_backward_impl(const Plan& p, const Tensor& x_in, const Tensor& f_in, const Tensor& post,
+                                       const Tensor& res, const Tensor& g_in, bool pooled) {
+  RECORD_FUNCTION("mhc_lab_native::post_backward", std::vector<c10::IValue>());
+  const int64_t T = tokens_of(x_in, p, "post_backward"), n = p.n, C = p.C;
   const Tensor x = x_in.contiguous(), f = f_in.contiguous();
-  const int64_t T = x.size(0), n = p.n;
-  const auto opts = x.options().dtype(at::kFloat);
-  Tensor dpost = at::empty({T, n}, opts), dres = at::empty({T, n, n}, opts);
-  Tensor dx = p.lanes_grad ? at::empty_like(x) : at::empty({0}, x.options());
-  Tensor df = at::empty_like(f);
+  const auto fl = at::kFloat;
+  auto small = allocate(x, {{c10::DimVector(post.sizes().begin(), post.sizes().end()), fl},
+                            {c10::DimVector(res.sizes().begin(), res.sizes().end()), fl},
+                            {p.lanes_grad ? c10::DimVector(x.sizes().begin(), x.sizes().end()) : c10::DimVector{0},
+                             x.scalar_type()}},
+                        pooled);
+  const Tensor &dpost = small[0], &dres = small[1], &dx = small[2];
+  Tensor df = at::empty(f.sizes(), f.options());
   if (T > 0) {
     OnDevice on(x);
     const Tensor g = g_in.contiguous(), post32 = f32(post), res32 = f32(res);
-    Call call("post backward");
-    call << x << f << g << post32 << res32;
-    if (p.lanes_grad) call << dx;
-    (call << df << dpost << dres).run(p.post_backward);
+    Call call("mhc_lab launch: post backward");
+    call.as(x, {T, n, C}).as(f, {T, C}).as(g, {T, n, C}).as(post32, {T, n}).as(res32, {T, n, n});
+    if (p.lanes_grad) call.as(dx, {T, n, C});
+    call.as(df, {T, C}).as(dpost, {T, n}).as(dres, {T, n, n}).run(p.post_backward);
   }
-  return {dx, df, dpost.to(post.scalar_type()), dres.to(res.scalar_type())};
+  return {dx, df, as_dtype(dpost, post.scalar_type()), as_dtype(dres, res.scalar_type())};
+}
+
+// The raw ops (torch.library's custom ops call these): outputs of their own.
+std::vector<Tensor> pre_forward(const Plan& p, const Tensor& x, const Tensor& phi, const Tensor& bias,
+                                const Tensor& alpha, const std::optional<Tensor>& partial_in) {
+  return pre_forward_impl(p, x, phi, bias, alpha, partial_in, false);
+}
+
+std::vector<Tensor> pre_backward(const Plan& p, const Tensor& x, const Tensor& phi, const Tensor& bias,
+                                 const Tensor& alpha, const Tensor& pre, const Tensor& partial, const Tensor& res,
+                                 const Tensor& dy, const Tensor& dpost, const Tensor& dres,
+                                 const std::optional<Tensor>& dx_post) {
+  return pre_backward_impl(p, x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, false);
+}
+
+std::vector<Tensor> post_backward(const Plan& p, const Tensor& x, const Tensor& f, const Tensor& post,
+                                  const Tensor& res, const Tensor& g) {
+  return post_backward_impl(p, x, f, post, res, g, false);
 }
 
 // ------------------------------------------------------------------------------------------- autograd
@@ -294,7 +423,7 @@ const Plan& plan_of(AutogradContext* ctx, const char* key) {
 struct Pre : public torch::autograd::Function<Pre> {
   static variable_list forward(AutogradContext* ctx, const Plan* forward_plan, const Plan* backward_plan, Tensor x,
                                Tensor phi, Tensor bias, Tensor alpha, std::optional<Tensor> partial_in) {
-    auto out = pre_forward(*forward_plan, x, phi, bias, alpha, partial_in);
+    auto out = pre_forward_impl(*forward_plan, x, phi, bias, alpha, partial_in, true);
     ctx->saved_data["plan"] = reinterpret_cast<int64_t>(backward_plan);
     ctx->save_for_backward({x, phi, bias, alpha, out[3], partial_in.has_value() ? *partial_in : out[4], out[2]});
     ctx->mark_non_differentiable({out[3], out[4]});
@@ -307,19 +436,21 @@ struct Pre : public torch::autograd::Function<Pre> {
     const Plan& p = plan_of(ctx, "plan");
     auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &phi = saved[1], &bias = saved[2], &alpha = saved[3], &pre = saved[4];
-    const int64_t T = x.size(0), n = x.size(1), C = x.size(2), m = bias.size(0);
-    const Tensor dy = grads[0].defined() ? grads[0] : at::zeros({T, C}, x.options());
+    const int64_t n = p.n, m = bias.size(0);
+    const Tensor dy = grads[0].defined() ? grads[0] : at::zeros(batch_shape(x, {p.C}), x.options());
     const Tensor dpost = grads[1].defined() ? grads[1] : at::zeros_like(pre);
-    const Tensor dres = grads[2].defined() ? grads[2] : at::zeros({T, n, n}, pre.options());
+    const Tensor dres = grads[2].defined() ? grads[2] : at::zeros(batch_shape(x, {n, n}), pre.options());
     std::optional<Tensor> dx_post;
     if (p.add_dx || p.post_grad) {  // the next lanes unused: their gradient is zero
       dx_post = grads[5].defined() ? grads[5] : at::zeros_like(x);
     } else {
       TORCH_CHECK(!grads[5].defined(), "mhc_lab native pre: link was used, but the plan has no linked backward");
     }
-    auto g = pre_backward(p, x, phi, bias, alpha, pre, saved[5], saved[6], dy, dpost, dres, dx_post);
-    return {Tensor(), Tensor(), g[0], g[1], g[2].narrow(0, 0, m).to(bias.scalar_type()),
-            g[2].narrow(0, m, 3).to(alpha.scalar_type()), Tensor()};
+    auto g = pre_backward_impl(p, x, phi, bias, alpha, pre, saved[5], saved[6], dy, dpost, dres, dx_post, true);
+    // bias's and alpha's gradients: the first m and the next 3 of kernel 1's per-token sums
+    const Tensor dbias = on_storage(g[2], {m}, {1}, at::kFloat), dalpha = on_storage(g[2], {3}, {1}, at::kFloat, 4 * m);
+    return {Tensor(), Tensor(), g[0], g[1], as_dtype(dbias, bias.scalar_type()),
+            as_dtype(dalpha, alpha.scalar_type()), Tensor()};
   }
 };
 
@@ -344,7 +475,7 @@ struct Post : public torch::autograd::Function<Post> {
     const Plan& p = plan_of(ctx, "plan");
     const bool linked = ctx->saved_data["linked"].toBool();
     auto saved = ctx->get_saved_variables();
-    auto d = post_backward(p, saved[0], saved[1], saved[2], saved[3], g.contiguous());
+    auto d = post_backward_impl(p, saved[0], saved[1], saved[2], saved[3], g, true);
     Tensor dlanes = linked && !p.lanes_grad ? g.contiguous() : d[0];
     return {Tensor(), Tensor(), Tensor(), linked ? Tensor() : dlanes, linked ? dlanes : Tensor(),
             d[1], d[2], d[3], Tensor()};

@@ -58,8 +58,8 @@ _PLANS: dict = {}  # (op, n, C, GPU index, flags) -> the op's native plan(s): ch
 
 
 def _plan(x: torch.Tensor, op: str, *flags):
-    """The native.cpp plan(s) of one op on CUDA lanes x (bf16, [T, n, C]): chosen by the GPU x is on and the flags
-    the first time, then read from a dict (an eager site asks on every call).
+    """The native.cpp plan(s) of one op on CUDA lanes x (bf16, [..., n, C]): chosen by the GPU x is on, n, C and
+    the flags the first time, then read from a dict (an eager site asks on every call).
 
         "pre_forward", projected                -> the pre's forward plan
         "pre_backward", splits, add_dx, post_grad -> the pre's backward plan (splits: the forward partial's)
@@ -67,7 +67,7 @@ def _plan(x: torch.Tensor, op: str, *flags):
         "post_forward", project_next            -> the post's forward plan
         "post_backward", lanes_grad             -> the post's backward plan
         "post", linked, project_next, post_grad -> (forward, backward) plans of an eager post"""
-    key = (op, x.shape[1], x.shape[2], x.device.index, *flags)
+    key = (op, x.shape[-2], x.shape[-1], x.device.index, *flags)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _choose_plan(x, op, *flags)
@@ -75,7 +75,7 @@ def _plan(x: torch.Tensor, op: str, *flags):
 
 
 def _choose_plan(x, op: str, *flags):
-    n, C = x.shape[1], x.shape[2]
+    n, C = x.shape[-2], x.shape[-1]
     target, hopper = cuda_programs(x)  # the programs of the GPU x is on (Hopper or portable)
     if op == "pre_forward":
         (projected,) = flags
@@ -532,40 +532,62 @@ def _native(x, backend: str) -> bool:
     return x.is_cuda and backend == "kernels"
 
 
+def _flat(t: torch.Tensor, *tail: int) -> torch.Tensor:
+    return t.reshape(-1, *tail)
+
+
 def run_pre_forward(x, phi, bias, alpha, backend: str, partial_in=None, *, linked: bool = False):
-    """pre_forward, eagerly or as the op (as_ops); traced where torch.compile traces the reference. linked: its
-    link goes to the site's post (run_post_forward_linked), which decides the backward's kernel 2 on CUDA."""
-    if traces_reference(backend):
-        return _traced_reference_pre(x, phi, bias, alpha)
-    if as_ops():
-        return pre_forward(x, phi, bias, alpha, backend, partial_in)
-    if _native(x, backend):
+    """pre_forward on lanes x [..., n, C], eagerly or as the op (as_ops); traced where torch.compile traces the
+    reference. y, post, res and link keep x's leading dims (native.cpp's ops take them so; elsewhere the lanes
+    are flattened for the op and its outputs viewed back). linked: its link goes to the site's post
+    (run_post_forward_linked), which decides the backward's kernel 2 on CUDA."""
+    if _native(x, backend) and not as_ops():
         plans = _plan(x, "pre", partial_in is not None, linked, linked and post_gradient_to_pre_for(x, backend))
         return native.extension().pre(*plans, x, phi, bias, alpha, partial_in)
-    return _EagerPre.apply(x, phi, bias, alpha, backend, partial_in)
+    *batch, n, C = x.shape
+    lanes = _flat(x, n, C)
+    if traces_reference(backend):
+        out = _traced_reference_pre(lanes, phi, bias, alpha)
+    elif as_ops():
+        out = pre_forward(lanes, phi, bias, alpha, backend, partial_in)
+    else:
+        out = _EagerPre.apply(lanes, phi, bias, alpha, backend, partial_in)
+    y, post, res, pre, partial, link = out
+    return y.view(*batch, C), post.view(*batch, n), res.view(*batch, n, n), pre, partial, link.view(x.shape)
 
 
 def run_post_forward(x, f, post, res, backend: str):
-    """post_forward, eagerly or as the op (as_ops); traced where torch.compile traces the reference."""
-    if traces_reference(backend):
-        return _traced_reference_post(x, f, post, res)
-    if as_ops():
-        return post_forward(x, f, post, res, backend)
-    if _native(x, backend):
+    """post_forward on lanes x [..., n, C] and the layer's output f [..., C], eagerly or as the op (as_ops);
+    traced where torch.compile traces the reference. The next lanes have x's shape."""
+    if _native(x, backend) and not as_ops():
         plans = _plan(x, "post", False, False, False)
         return native.extension().post(*plans, False, x, None, f, post, res, None)[0]
-    return _EagerPost.apply(x, f, post, res, backend)
+    *_, n, C = x.shape
+    args = (_flat(x, n, C), _flat(f, C), _flat(post, n), _flat(res, n, n))
+    if traces_reference(backend):
+        out = _traced_reference_post(*args)
+    elif as_ops():
+        out = post_forward(*args, backend)
+    else:
+        out = _EagerPost.apply(*args, backend)
+    return out.view(x.shape)
 
 
 def run_post_forward_linked(x, link, f, post, res, backend: str, phi_next=None):
-    """post_forward_linked, eagerly or as the op (as_ops). Where torch.compile traces the reference, the next
-    lanes from x itself (autograd sums the lanes' two gradients) and no partial: the traced pre computes its
+    """post_forward_linked on lanes x [..., n, C] (link from the site's pre, f [..., C]), eagerly or as the op
+    (as_ops): (the next lanes, x's shape; partial_next). Where torch.compile traces the reference, the next lanes
+    from x itself (autograd sums the lanes' two gradients) and no partial: the traced pre computes its
     coefficients from the lanes."""
-    if traces_reference(backend):
-        return _traced_reference_post(x, f, post, res), _no_partial(x)
-    if as_ops():
-        return post_forward_linked(x, link, f, post, res, backend, phi_next)
-    if _native(x, backend):
+    if _native(x, backend) and not as_ops():
         plans = _plan(x, "post", True, phi_next is not None, post_gradient_to_pre_for(x, backend))
         return tuple(native.extension().post(*plans, True, x, link, f, post, res, phi_next))
-    return _EagerPostLinked.apply(x, link, f, post, res, backend, phi_next)
+    *_, n, C = x.shape
+    args = (_flat(x, n, C), _flat(f, C), _flat(post, n), _flat(res, n, n))
+    if traces_reference(backend):
+        return _traced_reference_post(*args).view(x.shape), _no_partial(x)
+    lanes, link = args[0], _flat(link, n, C)
+    if as_ops():
+        out, partial = post_forward_linked(lanes, link, *args[1:], backend, phi_next)
+    else:
+        out, partial = _EagerPostLinked.apply(lanes, link, *args[1:], backend, phi_next)
+    return out.view(x.shape), partial
