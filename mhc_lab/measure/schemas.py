@@ -409,7 +409,8 @@ TRAINING_HOST = _section("What the host costs per chained site at a small shape 
                                      obj("One function.", required={
                                          "us": number("Own microseconds per step."),
                                          "calls": number("Calls per step."), "function": text("Where.")})),
-    }, optional={"host_us_by_event": HOST_EVENTS}),
+        "host_us_by_event": HOST_EVENTS,
+    }),
 })
 _PATH_KEYS = "'<path>.<what>': path hopper or portable, what linked_forward, linked or chained"
 TRAINING_PORTABLE = _section("One site with the Hopper programs and with the portable ones (part 'portable').",
