@@ -198,25 +198,21 @@ std::vector<Tensor> allocate(const Tensor& like, std::initializer_list<Piece> pi
   constexpr int64_t kAlign = 256;  // each piece's start, for the kernels' wide loads
   std::vector<Tensor> out;
   out.reserve(pieces.size());
-  c10::SmallVector<int64_t, 8> offsets;
+  c10::SmallVector<int64_t, 8> counts, offsets;
   int64_t bytes = 0;
   for (const Piece& piece : pieces) {
+    counts.push_back(piece.broadcast ? 1 : c10::multiply_integers(piece.sizes));
     offsets.push_back(bytes);
-    const int64_t count = piece.broadcast ? 1 : c10::multiply_integers(piece.sizes);
-    bytes += (count * static_cast<int64_t>(c10::elementSize(piece.dtype)) + kAlign - 1) / kAlign * kAlign;
+    bytes += (counts.back() * static_cast<int64_t>(c10::elementSize(piece.dtype)) + kAlign - 1) / kAlign * kAlign;
   }
   const Tensor block = pooled ? at::empty({bytes}, like.options().dtype(at::kByte)) : Tensor();
   size_t i = 0;
   for (const Piece& piece : pieces) {
     const c10::DimVector strides = piece.broadcast ? c10::DimVector(piece.sizes.size(), 0)
                                                    : c10::DimVector(c10::contiguous_strides(piece.sizes));
-    if (pooled) {
-      out.push_back(on_storage(block, piece.sizes, strides, piece.dtype, offsets[i++]));
-    } else {
-      const int64_t count = piece.broadcast ? 1 : c10::multiply_integers(piece.sizes);
-      out.push_back(on_storage(at::empty({count}, like.options().dtype(piece.dtype)), piece.sizes, strides,
-                               piece.dtype));
-    }
+    const Tensor base = pooled ? block : at::empty({counts[i]}, like.options().dtype(piece.dtype));
+    out.push_back(on_storage(base, piece.sizes, strides, piece.dtype, pooled ? offsets[i] : 0));
+    ++i;
   }
   return out;
 }

@@ -536,6 +536,12 @@ def _flat(t: torch.Tensor, *tail: int) -> torch.Tensor:
     return t.reshape(-1, *tail)
 
 
+def _flat_post_args(x, f, post, res) -> tuple:
+    """A post's lanes [..., n, C], layer output, post and res flattened to the ops' [T, ...]."""
+    *_, n, C = x.shape
+    return _flat(x, n, C), _flat(f, C), _flat(post, n), _flat(res, n, n)
+
+
 def run_pre_forward(x, phi, bias, alpha, backend: str, partial_in=None, *, linked: bool = False):
     """pre_forward on lanes x [..., n, C], eagerly or as the op (as_ops); traced where torch.compile traces the
     reference. y, post, res and link keep x's leading dims (native.cpp's ops take them so; elsewhere the lanes
@@ -562,8 +568,7 @@ def run_post_forward(x, f, post, res, backend: str):
     if _native(x, backend) and not as_ops():
         plans = _plan(x, "post", False, False, False)
         return native.extension().post(*plans, False, x, None, f, post, res, None)[0]
-    *_, n, C = x.shape
-    args = (_flat(x, n, C), _flat(f, C), _flat(post, n), _flat(res, n, n))
+    args = _flat_post_args(x, f, post, res)
     if traces_reference(backend):
         out = _traced_reference_post(*args)
     elif as_ops():
@@ -581,11 +586,10 @@ def run_post_forward_linked(x, link, f, post, res, backend: str, phi_next=None):
     if _native(x, backend) and not as_ops():
         plans = _plan(x, "post", True, phi_next is not None, post_gradient_to_pre_for(x, backend))
         return tuple(native.extension().post(*plans, True, x, link, f, post, res, phi_next))
-    *_, n, C = x.shape
-    args = (_flat(x, n, C), _flat(f, C), _flat(post, n), _flat(res, n, n))
+    args = _flat_post_args(x, f, post, res)
     if traces_reference(backend):
         return _traced_reference_post(*args).view(x.shape), _no_partial(x)
-    lanes, link = args[0], _flat(link, n, C)
+    lanes, link = args[0], link.reshape(args[0].shape)
     if as_ops():
         out, partial = post_forward_linked(lanes, link, *args[1:], backend, phi_next)
     else:
