@@ -907,13 +907,15 @@ class _OpsSeen(TorchDispatchMode):
 
 @pytest.mark.parametrize("backend,dtype,device", [
     ("reference", torch.float64, "cpu"), ("kernels", torch.float32, "cpu"), ("kernels", torch.bfloat16, "cpu"),
-    pytest.param("kernels", torch.bfloat16, "cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA GPU: the CUDA kernels run only there"))])
+    *(pytest.param(backend, dtype, "cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU: the CUDA kernels run only there"))
+      for backend, dtype in (("kernels", torch.bfloat16), ("reference", torch.float64)))])
 def test_eager_path_and_custom_ops_give_the_same_bits(backend, dtype, device):
     """Called eagerly the sites run their implementations through autograd.Functions; under a dispatch mode
     (and torch.compile, torch.export) as torch.ops.mhc_lab.* custom ops. Both give the same outputs and
     gradients, bit for bit, on a chain of three linked sites and a separate site, and the mode sees every op of
-    the site, forward and backward, as one op."""
+    the site, forward and backward, as one op. (On CUDA the ops' kernels are native.cpp's, which hand the
+    reference backend to site_ops' implementations.)"""
     from mhc_lab.ops import mhc_post as op_post, mhc_pre as op_pre
     from mhc_lab.ops.site_ops import as_ops
 
@@ -1191,6 +1193,36 @@ def test_cuda_lane_kernel_matches_float64(n, C, tokens, extra):
     assert _relmax(dphi_from_partial(partial, n), dmix.cuda().t() @ x.double().reshape(tokens, n * C)) < 1e-4
 
 
+@needs_cuda
+@pytest.mark.parametrize("n,C,tokens,splits", [(1, 1000, 1, 1), (2, 40, 4097, 3), (4, 300, 16385, 2),
+                                               (4, 64, 5000, 1), (8, 8, 1023, 5)])
+def test_cuda_parameter_sums_kernel_matches_float64_and_repeats_bitwise(n, C, tokens, splits):
+    """The pre backward's sums kernel: dphi over kernel 2's splits and both dmix halves (the padding rows between
+    them poisoned with NaN, never read), dtok over the tokens (counts not a multiple of its 1024 x 4 rows per
+    round, one token, dphi entries not a multiple of its 1024 per CTA); twice, the same bits."""
+    from mhc_lab.kernels.pre_backward_operands import EXTRA, gemm_depth
+    from mhc_lab.kernels.pre_backward_sums import pre_backward_sums_kernel
+    from mhc_lab.reference.mhc import mixes_width
+
+    M, KH = mixes_width(n), gemm_depth(n)
+    gen = torch.Generator().manual_seed(tokens)
+    partial = torch.full((splits, 2 * KH, n * C), float("nan"))
+    partial[:, :M] = torch.randn(splits, M, n * C, generator=gen)
+    partial[:, KH:KH + M] = torch.randn(splits, M, n * C, generator=gen) * 1e-3
+    dtok = torch.randn(tokens, M + EXTRA, generator=gen) + 0.5
+    want_dphi = partial[:, :M].double().sum(0) + partial[:, KH:KH + M].double().sum(0)
+    kernel = pre_backward_sums_kernel(n, C, splits, "cuda")
+    runs = []
+    for _ in range(2):
+        dphi = torch.full((M, n * C), float("nan"), device="cuda")
+        dtok_sum = torch.full((M + EXTRA,), float("nan"), device="cuda")
+        kernel(partial.cuda(), dtok.cuda(), dphi, dtok_sum)
+        runs.append((dphi, dtok_sum))
+    assert _relmax(runs[0][0], want_dphi.cuda()) < 1e-6
+    assert _relmax(runs[0][1], dtok.double().sum(0).cuda()) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 # ----------------------------------------------------------------- the course and the benchmarks' commands
 
 
@@ -1281,11 +1313,42 @@ def test_cuda_eager_site_runs_the_native_ops_and_autograd():
 
 
 @needs_cuda
+def test_cuda_compiled_stream_runs_the_registered_cuda_kernels(monkeypatch):
+    """Under torch.compile the CUDA sites are torch.ops.mhc_lab.* whose CUDA kernels native.cpp registered: no
+    call reaches site_ops' Python implementations (whose CUDA branch only loads native.cpp), one graph without
+    breaks, and the outputs and gradients of three linked sites those of the eager C++ path (the same site kernels;
+    Inductor's layers round alike only to bf16)."""
+    from torch._dynamo.utils import counters
+
+    from mhc_lab.ops import native, site_ops
+
+    native.extension()
+    monkeypatch.setattr(site_ops, "_first_native_call", lambda op, *args: pytest.fail(f"{op} reached Python"))
+    runs = {}
+    for compiled in (False, True):
+        stream = _stream(None, "kernels", layers=3).cuda()
+        stream.layers.to(torch.bfloat16)
+        h = torch.randn(2, 5, 16, device="cuda", dtype=torch.bfloat16,
+                        generator=torch.Generator("cuda").manual_seed(1)).requires_grad_()
+        torch._dynamo.reset()
+        counters.clear()
+        out = (torch.compile(stream, fullgraph=True) if compiled else stream)(h)
+        out.float().square().sum().backward()
+        if compiled:
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+        runs[compiled] = [out, h.grad, *(p.grad for p in stream.parameters())]
+    for a, b in zip(runs[False], runs[True], strict=True):
+        assert float((a.double() - b.double()).norm() / b.double().norm()) < 1e-2
+
+
+@needs_cuda
 @pytest.mark.parametrize("n,C", [(4, 136), (2, 40), (8, 16), (1, 1000)])
 def test_cuda_native_chain_keeps_the_lanes_leading_dims(n, C):
     """Three chained sites on lanes [2, 37, n, C] through the kernels: native.cpp's ops take and give the lanes'
     leading dims (no view, reshape or expand in the graph: only the C++ nodes and the layers') and match the same
-    chain with the reference backend in float64, output and every gradient (bf16 tolerance)."""
+    chain with the reference backend in float64, output and every gradient. The tolerance is bf16's: 2e-2 relative
+    in norm, or twice the error of the reference backend's own chain in bf16 where that is larger (a parameter's
+    gradient sums 74 tokens' terms that largely cancel: at n = 1 the bf16 reference misses the pre bias's by 9%)."""
     from mhc_lab.ops import MHCConnection, run_sites
 
     gen = torch.Generator().manual_seed(n)
@@ -1293,10 +1356,8 @@ def test_cuda_native_chain_keeps_the_lanes_leading_dims(n, C):
     weights = [torch.rand(C, generator=gen) + 0.5 for _ in range(3)]
     g = torch.randn(2, 37, n, C, generator=gen)
     runs, names = {}, set()
-    for backend, dtype in (("kernels", torch.bfloat16), ("reference", torch.float64)):
-        connections = [MHCConnection(n, C, backend=backend).cuda() for _ in weights]
-        if backend == "reference":
-            connections = [c.double() for c in connections]
+    for backend, dtype in (("kernels", torch.bfloat16), ("reference", torch.float64), ("reference", torch.bfloat16)):
+        connections = [MHCConnection(n, C, backend=backend).to("cuda", dtype) for _ in weights]
         with torch.no_grad():
             for i, c in enumerate(connections):
                 c.phi.copy_(torch.randn(c.phi.shape, generator=torch.Generator().manual_seed(7 + i)) / (n * C) ** 0.5)
@@ -1311,12 +1372,14 @@ def test_cuda_native_chain_keeps_the_lanes_leading_dims(n, C):
                     names.add(node.name())
                     stack.extend(next_node for next_node, _ in node.next_functions)
         params = [p for c in connections for p in c.parameters()]
-        runs[backend] = (out, *torch.autograd.grad(out, [leaf, *params], g.to("cuda", dtype)))
+        runs[backend, dtype] = (out, *torch.autograd.grad(out, [leaf, *params], g.to("cuda", dtype)))
     assert names == {"torch::autograd::CppNode<mhc_native::Pre>", "torch::autograd::CppNode<mhc_native::Post>",
                      "TanhBackward0", "MulBackward0", "torch::autograd::AccumulateGrad"}, names
-    for i, (got, want) in enumerate(zip(runs["kernels"], runs["reference"])):
+    truth, bf16 = runs["reference", torch.float64], runs["reference", torch.bfloat16]
+    for i, (got, want, yardstick) in enumerate(zip(runs["kernels", torch.bfloat16], truth, bf16)):
         assert got.shape == want.shape, i
-        assert float((got.double() - want).norm() / want.norm()) < 2e-2, i
+        error, noise = (float((a.double() - want).norm() / want.norm()) for a in (got, yardstick))
+        assert error < max(2e-2, 2 * noise), (i, error, noise)
 
 
 def test_native_ops_refuse_lanes_off_the_gpu():

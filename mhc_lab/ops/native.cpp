@@ -13,6 +13,9 @@
 //   post_backward(plan, x, f, post, res, g)              -> dx, df, dpost, dres
 //   pre(...), post(...)                                   the same forwards, differentiable (torch autograd)
 //
+// Loading the module also registers these ops as the CUDA kernels of torch.ops.mhc_lab.* (the custom ops of
+// site_ops.py), with an AutogradCUDA kernel that skips Python where no gradient is needed: the end of this file.
+//
 // x: lanes [..., n, C]; the per-token outputs keep x's leading dims (y [..., C], post [..., n], res [..., n, n]).
 // The contracts (shapes, dtypes, what link and partial stand for) are those of mhc_lab/ops/site_ops.py.
 
@@ -29,6 +32,9 @@
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
+#include <array>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -52,9 +58,9 @@ struct Plan {
   bool add_dx = false, post_grad = false, lanes_grad = true;
   // pre forward: phi_split, project (none where the previous post projected), coefficients, mix
   // post forward: post; with the next phi also phi_split and post_project (Hopper), or project after post
-  // pre backward: k1_reduce and k1_tokens (or k1_fused), then k2; post backward: post_backward
+  // pre backward: k1_reduce and k1_tokens (or k1_fused), k2, then sums; post backward: post_backward
   Entry phi_split = 0, project = 0, coefficients = 0, mix = 0, post = 0, post_project = 0;
-  Entry k1_reduce = 0, k1_tokens = 0, k1_fused = 0, k2 = 0, post_backward = 0;
+  Entry k1_reduce = 0, k1_tokens = 0, k1_fused = 0, k2 = 0, sums = 0, post_backward = 0;
 
   int64_t mixes() const { return n * n + 2 * n; }
 };
@@ -331,12 +337,10 @@ std::vector<Tensor> pre_backward_impl(const Plan& p, const Tensor& x_in, const T
       lanes.as(res32, {T, n, n});
     }
     lanes.as(dx, {T, n, C}).arg(dphi_partial).run(p.k2);
+    // dphi from kernel 2's sums per token split and dmix half, bias's and alpha's gradients from kernel 1's per
+    // token: the two reductions over the tokens in one launch
+    Call("mhc_lab launch: pre backward sums").arg(dphi_partial).arg(dtok).arg(dphi).arg(dtok_sum).run(p.sums);
   }
-  // dphi: kernel 2's partial sums over token splits and the dmix hi and lo halves (its rows past m are padding)
-  const Tensor halves = on_storage(dphi_partial, {splits, 2, m, nC}, {2 * depth * nC, depth * nC, nC, 1}, f);
-  const int64_t first_two[] = {0, 1};
-  at::sum_out(dphi, halves, at::IntArrayRef(first_two, 2));
-  at::sum_out(dtok_sum, dtok, at::IntArrayRef(first_two, 1));
   return {dx, as_dtype(dphi, phi.scalar_type()), dtok_sum};
 }
 
@@ -489,7 +493,187 @@ std::vector<Tensor> post(const Plan& forward_plan, const Plan& backward_plan, bo
   return Post::apply(&forward_plan, &backward_plan, linked, x, link, f, post_, res, phi_next);
 }
 
+// ------------------------------------------------------------------------ torch.ops.mhc_lab.* on CUDA
+//
+// site_ops.py defines the ops (schemas, fake tensors, autograd, and the implementations the CPU and the reference
+// backend run). Once this module is loaded, the ops' CUDA kernels are these functions: a call from a compiled
+// graph goes from torch's dispatcher straight to the launches, without the Python implementation between
+// (torch.library's wrappers, the plan's lookup, the call into this module: about half an op's host time). The
+// plans are site_ops' own (site_ops._plan, asked once per configuration); other backends than "kernels" go to
+// site_ops' implementations.
+
+namespace registered {
+
+enum class Op : int64_t { pre_forward, pre_backward, post_forward, post_backward };
+const char* const kOpNames[] = {"pre_forward", "pre_backward", "post_forward", "post_backward"};
+
+// Python objects that live as long as the process (never released: the interpreter may be gone by the time
+// static destructors run).
+pybind11::object* plan_source = nullptr;    // site_ops._plan_for_native(op, x, *flags) -> Plan
+pybind11::object* implementations = nullptr;  // {op name: site_ops' <op>_impl}
+
+std::mutex plans_mutex;
+std::map<std::array<int64_t, 7>, const Plan*> plans;
+
+// The plan of an op on lanes x (on x's GPU, for its n and C) with up to three flags, asked of Python once.
+const Plan& plan_for(Op op, const Tensor& x, std::initializer_list<int64_t> flags) {
+  TORCH_CHECK(x.dim() >= 2, "mhc_lab::", kOpNames[static_cast<int64_t>(op)], ": x: expected lanes [..., n, C], got ",
+              x.sizes());
+  std::array<int64_t, 7> key{static_cast<int64_t>(op), x.size(-2), x.size(-1), x.get_device(), -1, -1, -1};
+  std::copy(flags.begin(), flags.end(), key.begin() + 4);
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    auto found = plans.find(key);
+    if (found != plans.end()) return *found->second;
+  }
+  TORCH_CHECK(plan_source != nullptr, "mhc_lab native ops: no plan source (mhc_lab.ops.native.extension() sets it)");
+  pybind11::gil_scoped_acquire gil;
+  pybind11::tuple args(flags.size() + 2);
+  args[0] = pybind11::str(kOpNames[static_cast<int64_t>(op)]);
+  args[1] = pybind11::cast(x);
+  size_t i = 2;
+  for (int64_t flag : flags) args[i++] = pybind11::int_(flag);
+  pybind11::object plan = (*plan_source)(*args);
+  const Plan* found = plan.cast<const Plan*>();
+  plan.inc_ref();  // kept for the process, as site_ops keeps it
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  plans.emplace(key, found);
+  return *found;
+}
+
+// site_ops' implementation of an op, for a backend other than "kernels".
+template <typename Result, typename... Args>
+Result in_python(const char* op, const Args&... args) {
+  TORCH_CHECK(implementations != nullptr, "mhc_lab native ops: no implementations to hand mhc_lab::", op, " to");
+  pybind11::gil_scoped_acquire gil;
+  return (*implementations)[op](args...).template cast<Result>();
+}
+
+bool native(c10::string_view backend) { return backend == "kernels"; }
+
+using PreOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+PreOutputs pre_forward_op(const Tensor& x, const Tensor& phi, const Tensor& bias, const Tensor& alpha,
+                          c10::string_view backend, const std::optional<Tensor>& partial_in) {
+  if (!native(backend)) {
+    return in_python<PreOutputs>("pre_forward", x, phi, bias, alpha, std::string(backend), partial_in);
+  }
+  auto o = pre_forward(plan_for(Op::pre_forward, x, {partial_in.has_value()}), x, phi, bias, alpha, partial_in);
+  return {o[0], o[1], o[2], o[3], o[4], o[5]};
+}
+
+std::tuple<Tensor, Tensor, Tensor> pre_backward_op(const Tensor& x, const Tensor& phi, const Tensor& bias,
+                                                   const Tensor& alpha, const Tensor& pre, const Tensor& partial,
+                                                   const Tensor& res, const Tensor& dy, const Tensor& dpost,
+                                                   const Tensor& dres, const std::optional<Tensor>& dx_post,
+                                                   c10::string_view backend, bool post_grad) {
+  using Result = std::tuple<Tensor, Tensor, Tensor>;
+  if (!native(backend)) {
+    return in_python<Result>("pre_backward", x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post,
+                             std::string(backend), post_grad);
+  }
+  const bool linked = dx_post.has_value(), to_pre = post_grad && linked;
+  const Plan& p = plan_for(Op::pre_backward, x, {partial.size(0), linked && !to_pre, to_pre});
+  auto o = pre_backward(p, x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post);
+  return {o[0], o[1], o[2]};
+}
+
+Tensor post_forward_op(const Tensor& x, const Tensor& f, const Tensor& post, const Tensor& res,
+                       c10::string_view backend) {
+  if (!native(backend)) return in_python<Tensor>("post_forward", x, f, post, res, std::string(backend));
+  return post_forward(plan_for(Op::post_forward, x, {false}), x, f, post, res, std::nullopt)[0];
+}
+
+std::tuple<Tensor, Tensor> post_forward_linked_op(const Tensor& x, const Tensor& link, const Tensor& f,
+                                                  const Tensor& post, const Tensor& res, c10::string_view backend,
+                                                  const std::optional<Tensor>& phi_next) {
+  using Result = std::tuple<Tensor, Tensor>;
+  if (!native(backend)) {
+    return in_python<Result>("post_forward_linked", x, link, f, post, res, std::string(backend), phi_next);
+  }
+  auto o = post_forward(plan_for(Op::post_forward, x, {phi_next.has_value()}), x, f, post, res, phi_next);
+  return {o[0], o[1]};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> post_backward_op(const Tensor& x, const Tensor& f, const Tensor& post,
+                                                            const Tensor& res, const Tensor& g,
+                                                            c10::string_view backend, bool lanes_grad) {
+  using Result = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+  if (!native(backend)) {
+    return in_python<Result>("post_backward", x, f, post, res, g, std::string(backend), lanes_grad);
+  }
+  auto o = post_backward(plan_for(Op::post_backward, x, {lanes_grad}), x, f, post, res, g);
+  return {o[0], o[1], o[2], o[3]};
+}
+
+// The ops' autograd on CUDA. A call that needs none (grad mode off, or no input requiring grad: every call from
+// a compiled graph) goes on to the CUDA kernel above without Python. One that does (an eager call under a
+// dispatch mode, torch.compile tracing) goes to the autograd torch.library built from site_ops' formulas.
+pybind11::object* autograd = nullptr;  // site_ops._autograd_for_native(op name, raw dispatch key set, *args)
+
+pybind11::object to_python(const c10::IValue& v) {
+  if (v.isTensor()) return pybind11::cast(v.toTensor());
+  if (v.isNone()) return pybind11::none();
+  if (v.isBool()) return pybind11::bool_(v.toBool());
+  if (v.isInt()) return pybind11::int_(v.toInt());
+  if (v.isString()) return pybind11::str(std::string(v.toStringRef()));
+  TORCH_CHECK(false, "mhc_lab native ops: an argument of type ", v.tagKind(), " (the ops take tensors, None, "
+              "bools, ints and strings)");
+}
+
+void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t count = schema.arguments().size();
+  bool needs_grad = false;
+  if (at::GradMode::is_enabled()) {
+    for (const c10::IValue& v : torch::jit::last(*stack, count)) {
+      needs_grad = needs_grad || (v.isTensor() && v.toTensor().requires_grad());
+    }
+  }
+  if (!needs_grad) {
+    at::AutoDispatchBelowAutograd below;
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+    return;
+  }
+  TORCH_CHECK(autograd != nullptr, "mhc_lab native ops: no autograd to hand ", schema.name(), " to");
+  pybind11::gil_scoped_acquire gil;
+  pybind11::tuple args(count + 2);
+  args[0] = pybind11::str(schema.name().substr(schema.name().find("::") + 2));
+  args[1] = pybind11::int_(keys.raw_repr());
+  size_t i = 2;
+  for (const c10::IValue& v : torch::jit::last(*stack, count)) args[i++] = to_python(v);
+  pybind11::object result = (*autograd)(*args);
+  torch::jit::drop(*stack, count);
+  if (schema.returns().size() == 1) {
+    stack->emplace_back(result.cast<Tensor>());
+  } else {
+    for (auto item : result.cast<pybind11::tuple>()) stack->emplace_back(item.cast<Tensor>());
+  }
+}
+
+void connect(pybind11::object source, pybind11::object impls, pybind11::object autograd_entry) {
+  plan_source = new pybind11::object(std::move(source));
+  implementations = new pybind11::object(std::move(impls));
+  autograd = new pybind11::object(std::move(autograd_entry));
+}
+
+}  // namespace registered
+
 }  // namespace mhc_native
+
+TORCH_LIBRARY_IMPL(mhc_lab, AutogradCUDA, m) {
+  for (const char* name : {"pre_forward", "pre_backward", "post_forward", "post_forward_linked", "post_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&mhc_native::registered::autograd_kernel>());
+  }
+}
+
+TORCH_LIBRARY_IMPL(mhc_lab, CUDA, m) {
+  m.impl("pre_forward", &mhc_native::registered::pre_forward_op);
+  m.impl("pre_backward", &mhc_native::registered::pre_backward_op);
+  m.impl("post_forward", &mhc_native::registered::post_forward_op);
+  m.impl("post_forward_linked", &mhc_native::registered::post_forward_linked_op);
+  m.impl("post_backward", &mhc_native::registered::post_backward_op);
+}
 
 using namespace mhc_native;
 
@@ -501,7 +685,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   MHC_FIELD(extra); MHC_FIELD(lane_splits); MHC_FIELD(add_dx); MHC_FIELD(post_grad); MHC_FIELD(lanes_grad);
   MHC_FIELD(phi_split); MHC_FIELD(project); MHC_FIELD(coefficients); MHC_FIELD(mix); MHC_FIELD(post);
   MHC_FIELD(post_project); MHC_FIELD(k1_reduce); MHC_FIELD(k1_tokens); MHC_FIELD(k1_fused); MHC_FIELD(k2);
-  MHC_FIELD(post_backward);
+  MHC_FIELD(sums); MHC_FIELD(post_backward);
 #undef MHC_FIELD
   m.def("pre_forward", &pre_forward);
   m.def("pre_backward", &pre_backward);
@@ -509,4 +693,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("post_backward", &post_backward);
   m.def("pre", &pre);
   m.def("post", &post);
+  m.def("connect", &registered::connect,
+        "connect(plan_source, implementations, autograd): where the registered CUDA and AutogradCUDA kernels of "
+        "torch.ops.mhc_lab.* get their plans, the other backends' implementations and the ops' autograd");
 }

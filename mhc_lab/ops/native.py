@@ -6,7 +6,9 @@ same ops, and their autograd, cost the host their allocations and launches. Pyth
 configuration which compiled kernels run (a plan: their TVM FFI entry functions and buffer sizes); native.cpp
 allocates, launches on torch's current stream, and differentiates.
 
-    extension()              the compiled module (built on first use, cached on disk)
+    extension()              the compiled module (built on first use, cached on disk); loading it registers
+                             the CUDA and AutogradCUDA kernels of torch.ops.mhc_lab.* (site_ops' ops)
+    when_loaded(connect)     connect(module) once it is loaded (site_ops hands those kernels its plans this way)
     pre_forward_plan(...), pre_backward_plan(...), post_forward_plan(...), post_backward_plan(...)
                              each op's plan for a CUDA target (mhc_lab.ops.site_ops chooses them per lanes)
 
@@ -44,12 +46,26 @@ def extension():
     includes = list(dict.fromkeys(tvm_ffi.libinfo.include_paths() + [tvm_ffi.libinfo.find_dlpack_include_path()]))
     with _build_lock:
         try:
-            return cpp_extension.load(
+            module = cpp_extension.load(
                 name="mhc_lab_native", sources=[SOURCE], extra_include_paths=includes,
                 extra_cflags=["-O2"], extra_ldflags=[f"-L{folder}", "-ltvm_ffi", f"-Wl,-rpath,{folder}"],
                 verbose=False)
         except Exception as error:  # compiler or ninja missing, or a failed build: say which
             raise NativeBuildError(f"building mhc_lab's C++ site ops ({SOURCE}) failed: {error}") from error
+    for connect in _on_load:
+        connect(module)
+    return module
+
+
+_on_load: list = []  # what is called with the module once it is loaded (when_loaded)
+
+
+def when_loaded(connect) -> None:
+    """Call connect(module) with the C++ module now if it is loaded, else as soon as extension() loads it. Loading
+    it registers CUDA kernels for the ops of mhc_lab.ops.site_ops, which connects them to its plans this way."""
+    _on_load.append(connect)
+    if extension.cache_info().currsize:
+        connect(extension())
 
 
 @memoize
@@ -102,17 +118,20 @@ def pre_forward_plan(n: int, C: int, target: str, splits: int, projected: bool):
 def pre_backward_plan(n: int, C: int, target: str, hopper: bool, splits: int, lane_splits: int, add_dx: bool,
                       post_grad: bool):
     """The pre's backward for a CUDA target, for forward partial sums of `splits` splits: kernel 1 (one program,
-    or the reduction and the per-token program) and kernel 2 (its Hopper or portable program, in `lane_splits`
-    token splits; add_dx / post_grad: for a pre linked to its post, pre_backward.pre_backward_kernels)."""
+    or the reduction and the per-token program), kernel 2 (its Hopper or portable program, in `lane_splits`
+    token splits; add_dx / post_grad: for a pre linked to its post, pre_backward.pre_backward_kernels), then the
+    parameters' sums over the tokens (pre_backward_sums)."""
     from mhc_lab.kernels.pre_backward import pre_backward_kernels
     from mhc_lab.kernels.pre_backward_operands import EXTRA, coef_width, gemm_depth
+    from mhc_lab.kernels.pre_backward_sums import pre_backward_sums_kernel
 
     coefficients, lanes = pre_backward_kernels(n, C, "bfloat16", target, splits=splits, lane_splits=lane_splits,
                                                add_dx=add_dx, post_grad=post_grad, hopper=hopper)
     kernel1 = (dict(k1_reduce=coefficients.reduce, k1_tokens=coefficients.tokens) if hasattr(coefficients, "tokens")
                else dict(k1_fused=coefficients))
     return _plan([], n=n, C=C, splits=splits, gemm_depth=gemm_depth(n), coef_width=coef_width(n), extra=EXTRA,
-                 lane_splits=lane_splits, add_dx=add_dx, post_grad=post_grad, k2=lanes, **kernel1)
+                 lane_splits=lane_splits, add_dx=add_dx, post_grad=post_grad, k2=lanes,
+                 sums=pre_backward_sums_kernel(n, C, lane_splits, target), **kernel1)
 
 
 @memoize

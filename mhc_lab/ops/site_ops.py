@@ -8,12 +8,14 @@ each with both backends (mhc_lab.ops.dispatch), and their autograd.
 
 Custom ops with their own backward ops let torch.compile trace a model around them without graph breaks, and
 let selective activation checkpointing recompute exactly these ops (``MHCResidualStream(recompute_block=...)``).
-Each op's implementation is ``<op>_impl``; on CUDA it calls the C++ op of mhc_lab.ops.native (native.cpp), which
-allocates and launches the kernels. Called eagerly (run_pre_forward, run_post_forward, run_post_forward_linked;
-as_ops says which path runs), a CUDA site is native.cpp's C++ autograd Functions, and the CPU's C target and the
-reference run their implementations through autograd.Functions with the same setup_context and backward
-formulas: the custom ops' Python dispatch would cost the host more than a small model's site costs the GPU (the
-end of this file).
+Each op's implementation is ``<op>_impl`` (the CPU's C target and the reference backend). On CUDA the ops' kernels
+are mhc_lab.ops.native's C++ (native.cpp registers them when it is loaded): the op itself, which allocates and
+launches the kernels, and its autograd key, which goes on without Python where no gradient is needed (every call
+from a compiled graph) and otherwise hands the call to the autograd built from the formulas below. Called eagerly
+(run_pre_forward, run_post_forward, run_post_forward_linked; as_ops says which path runs), a CUDA site is
+native.cpp's C++ autograd Functions, and the CPU's C target and the reference run their implementations through
+autograd.Functions with the same setup_context and backward formulas: the custom ops' Python dispatch would cost
+the host more than a small model's site costs the GPU (the end of this file).
 
 A linked site (pre_forward's link handed to post_forward_linked) sums the lanes' two gradients inside the
 pre's backward: the post's backward either writes H_res^T g for kernel 2 to add, or (post_gradient_to_pre_for)
@@ -99,6 +101,32 @@ def _choose_plan(x, op: str, *flags):
     return _plan(x, "post_forward", project_next), _plan(x, "post_backward", not (linked and post_grad))
 
 
+# ------------------------------------------------------------------------ the ops' CUDA kernels (native.cpp)
+#
+# native.cpp registers its own CUDA and AutogradCUDA kernels for the ops below when it is loaded: a call on CUDA
+# lanes then goes from torch's dispatcher to the C++ op without Python (torch.library's Python autograd and
+# wrappers, and the implementation itself, took most of each op's host time in a compiled graph). The C++ kernels
+# ask plan_for_native for a configuration's plan the first time they see it, hand a backend other than "kernels"
+# to IMPLEMENTATIONS and a call that needs autograd to _autograd_for_native (both defined at the end of this
+# module). Only a process's first CUDA call of the kernels backend, made before native.cpp was loaded, reaches an
+# implementation below: _first_native_call loads it and calls the op again.
+
+_NATIVE_FLAGS = {"pre_forward": (bool,), "pre_backward": (int, bool, bool), "post_forward": (bool,),
+                 "post_backward": (bool,)}  # the flags each op's plan takes (_plan), as native.cpp passes them
+
+
+def plan_for_native(op: str, x: torch.Tensor, *flags: int):
+    """The plan native.cpp's registered CUDA kernel of ``op`` runs on lanes x with these flags (ints from C++)."""
+    return _plan(x, op, *(kind(flag) for kind, flag in zip(_NATIVE_FLAGS[op], flags)))
+
+
+def _first_native_call(op, *args):
+    native.extension()  # loading native.cpp registers its CUDA kernels for the ops
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op._qualname, "CUDA"):
+        raise RuntimeError(f"{op._qualname}: mhc_lab.ops.native loaded without registering its CUDA kernel")
+    return op(*args)
+
+
 def _partial_reference(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     """[1, T, n^2+2n+1]: the raw projections and sum of squares the backward starts from."""
     tokens, n, C = x.shape
@@ -134,8 +162,7 @@ def pre_forward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alp
         outputs = (y, co.post, co.res, co.pre, partial)
         return (*(t.contiguous() for t in outputs), _link(x))  # the custom op promises contiguous outputs
     if x.device.type == "cuda":
-        return tuple(native.extension().pre_forward(_plan(x, "pre_forward", projected), x, phi, bias, alpha,
-                                                    partial_in))
+        return _first_native_call(pre_forward, x, phi, bias, alpha, backend, partial_in)
     m = mixes_width(n)
     y = torch.empty((tokens, C), dtype=x.dtype, device=x.device)
     post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
@@ -244,9 +271,8 @@ def pre_backward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, al
         dbias_alpha = torch.cat([grads.bias.to(cd), grads.alpha.to(cd), grads.alpha.new_zeros(1, dtype=cd)])
         return dx.to(x.dtype).contiguous(), grads.phi.to(phi.dtype).contiguous(), dbias_alpha
     if x.device.type == "cuda":
-        plan = _plan(x, "pre_backward", partial.shape[0], add_dx, post_grad)
-        return tuple(native.extension().pre_backward(plan, x, phi, bias, alpha, pre, partial, res, dy, dpost, dres,
-                                                     dx_post if linked else None))
+        return _first_native_call(pre_backward, x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post,
+                                  backend, post_grad)
     dx = torch.empty_like(x)
     lanes, lead, dtok, dphi_partial = _coefficients_and_lanes(x, phi, bias, alpha, pre, partial, dy, dpost, dres,
                                                               add_dx=add_dx, post_grad=post_grad)
@@ -315,7 +341,7 @@ def post_forward_impl(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res:
     if backend == "reference":
         return reference_post(x, f, post, res).contiguous()
     if x.device.type == "cuda":
-        return native.extension().post_forward(_plan(x, "post_forward", False), x, f, post, res, None)[0]
+        return _first_native_call(post_forward, x, f, post, res, backend)
     from mhc_lab.ops.forward import mhc_post_fused
 
     return mhc_post_fused(x.contiguous(), f.contiguous(), post.float().contiguous(), res.float().contiguous())
@@ -341,7 +367,7 @@ def post_backward_impl(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, res
         out = [gr.to(leaf.dtype).contiguous() for gr, leaf in zip(grads, (x, f, post, res))]
         return (out[0] if lanes_grad else _no_lanes_grad(x), *out[1:])
     if x.device.type == "cuda":
-        return tuple(native.extension().post_backward(_plan(x, "post_backward", lanes_grad), x, f, post, res, g))
+        return _first_native_call(post_backward, x, f, post, res, g, backend, lanes_grad)
     from mhc_lab.kernels.post_backward import post_backward_kernel
 
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -411,7 +437,7 @@ def post_forward_linked_impl(x: torch.Tensor, link: torch.Tensor, f: torch.Tenso
         out = reference_post(x, f, post, res).contiguous()
         return out, _partial_reference(out, phi_next).contiguous()
     if x.device.type == "cuda":  # on Hopper the post and the projection in one kernel (post_project.py)
-        return tuple(native.extension().post_forward(_plan(x, "post_forward", True), x, f, post, res, phi_next))
+        return _first_native_call(post_forward_linked, x, link, f, post, res, backend, phi_next)
     m = mixes_width(n)
     post32, res32, phi32 = post.float().contiguous(), res.float().contiguous(), phi_next.float().contiguous()
     from mhc_lab.kernels.post_project import post_project_kernel
@@ -469,6 +495,25 @@ def _post_linked_backward(ctx, g, _dpartial):
 
 post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
 
+
+IMPLEMENTATIONS = {"pre_forward": pre_forward_impl, "pre_backward": pre_backward_impl,
+                   "post_forward": post_forward_impl, "post_forward_linked": post_forward_linked_impl,
+                   "post_backward": post_backward_impl}
+_AUTOGRAD = {}  # op name -> its autograd as torch.library runs it (made from register_autograd's formulas)
+
+
+def _autograd_for_native(op: str, keys: int, *args):
+    """A CUDA call that needs autograd, handed over by native.cpp's AutogradCUDA kernel of ``op`` with the
+    dispatch key set it was called with (``keys``, raw)."""
+    if op not in _AUTOGRAD:
+        from torch._library.autograd import make_autograd_impl
+
+        definition = globals()[op]
+        _AUTOGRAD[op] = make_autograd_impl(definition._opoverload, definition)
+    return _AUTOGRAD[op](torch._C.DispatchKeySet.from_raw_repr(keys), *args)
+
+
+native.when_loaded(lambda module: module.connect(plan_for_native, IMPLEMENTATIONS, _autograd_for_native))
 
 
 # ------------------------------------------------------------------------------------------ the eager path
