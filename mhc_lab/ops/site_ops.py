@@ -496,19 +496,22 @@ def _post_linked_backward(ctx, g, _dpartial):
 post_forward_linked.register_autograd(_post_linked_backward, setup_context=_post_linked_setup_context)
 
 
-IMPLEMENTATIONS = {"pre_forward": pre_forward_impl, "pre_backward": pre_backward_impl,
-                   "post_forward": post_forward_impl, "post_forward_linked": post_forward_linked_impl,
-                   "post_backward": post_backward_impl}
+_OPS = {"pre_forward": (pre_forward, pre_forward_impl), "pre_backward": (pre_backward, pre_backward_impl),
+        "post_forward": (post_forward, post_forward_impl),
+        "post_forward_linked": (post_forward_linked, post_forward_linked_impl),
+        "post_backward": (post_backward, post_backward_impl)}  # name -> (the custom op, its implementation)
+IMPLEMENTATIONS = {name: impl for name, (_, impl) in _OPS.items()}
 _AUTOGRAD = {}  # op name -> its autograd as torch.library runs it (made from register_autograd's formulas)
 
 
 def _autograd_for_native(op: str, keys: int, *args):
     """A CUDA call that needs autograd, handed over by native.cpp's AutogradCUDA kernel of ``op`` with the
-    dispatch key set it was called with (``keys``, raw)."""
+    dispatch key set it was called with (``keys``, raw): torch.library's own autograd kernel of the op (the one
+    native.cpp's takes the place of on CUDA)."""
     if op not in _AUTOGRAD:
         from torch._library.autograd import make_autograd_impl
 
-        definition = globals()[op]
+        definition = _OPS[op][0]
         _AUTOGRAD[op] = make_autograd_impl(definition._opoverload, definition)
     return _AUTOGRAD[op](torch._C.DispatchKeySet.from_raw_repr(keys), *args)
 
