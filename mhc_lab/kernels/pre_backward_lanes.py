@@ -77,7 +77,7 @@ def pre_backward_lanes_program(n: int, C: int, dtype: str = "bfloat16", target: 
     (post_grad) the linked post's output gradient g [T, n, C] and its res [T, n, n] f32, of which H_res^T g is
     added (so the post's backward need not write dx; each CTA then holds all n lanes, since each lane's dx takes
     every lane of g); then the outputs dx [T, n, C] and dphi_partial: [1, n^2+2n, nC] f32 on the C target
-    (dphi itself), on CUDA [splits, 2 gemm_depth(n), nC] (dphi_from_partial sums it). ``splits``: the CUDA
+    (dphi itself), on CUDA [splits, 2 gemm_depth(n), nC] (pre_backward_sums sums it). ``splits``: the CUDA
     grid's token splits (lane_splits_for).
 
     CUDA, two programs of the same arithmetic and arguments; ``hopper`` picks one (by default the Hopper program
@@ -622,15 +622,10 @@ def lane_splits_for(n: int, C: int, sms: int, *, add_dx: bool = False, post_grad
     return good[0] if good else max(candidates, key=lambda s: (fullness(s), -s))
 
 
-def dphi_partial_shape(splits: int, n: int, C: int) -> tuple[int, int, int]:
-    """The shape of kernel 2's CUDA dphi output: one row block per token split, the dmix_hi and dmix_lo parts
-    (each padded to gemm_depth(n) rows), nC columns (dphi_from_partial sums it)."""
-    return splits, 2 * gemm_depth(n), n * C
-
-
 def dphi_from_partial(partial, n: int):
     """dphi [n^2+2n, nC] from kernel 2's CUDA output [splits, 2 gemm_depth(n), nC] (rows: the dmix_hi part,
-    then the dmix_lo part, each padded): summed over splits and halves in a fixed order, in one reduction that
-    reads only the rows that are not padding."""
+    then the dmix_lo part, each padded), summed over splits and halves in torch, reading only the rows that are
+    not padding: the sum the pre backward's sums kernel takes on the GPU (pre_backward_sums), as the tests read
+    kernel 2's output alone."""
     M, KH = mixes_width(n), gemm_depth(n)
     return partial.unflatten(1, (2, KH))[:, :, :M].sum((0, 1))
