@@ -498,9 +498,9 @@ std::vector<Tensor> post(const Plan& forward_plan, const Plan& backward_plan, bo
 // site_ops.py defines the ops (schemas, fake tensors, autograd, and the implementations the CPU and the reference
 // backend run). Once this module is loaded, the ops' CUDA kernels are these functions: a call from a compiled
 // graph goes from torch's dispatcher straight to the launches, without the Python implementation between
-// (torch.library's wrappers, the plan's lookup, the call into this module: about half an op's host time). The
-// plans are site_ops' own (site_ops._plan, asked once per configuration); other backends than "kernels" go to
-// site_ops' implementations.
+// (torch.library's wrappers, the plan's lookup, the call into this module). The plans are site_ops' own
+// (site_ops.plan_for_native, asked once per configuration); other backends than "kernels" go to site_ops'
+// implementations.
 
 namespace registered {
 
@@ -509,7 +509,7 @@ const char* const kOpNames[] = {"pre_forward", "pre_backward", "post_forward", "
 
 // Python objects that live as long as the process (never released: the interpreter may be gone by the time
 // static destructors run).
-pybind11::object* plan_source = nullptr;    // site_ops._plan_for_native(op, x, *flags) -> Plan
+pybind11::object* plan_source = nullptr;      // site_ops.plan_for_native(op, x, *flags) -> Plan
 pybind11::object* implementations = nullptr;  // {op name: site_ops' <op>_impl}
 
 std::mutex plans_mutex;
