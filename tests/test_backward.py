@@ -631,6 +631,31 @@ def test_linked_site_with_the_post_gradient_to_pre_matches_float64(monkeypatch, 
         assert _relmax(a, b) < tol, name
 
 
+@pytest.mark.parametrize("linked,post_grad,add_dx,to_pre", [(0, 0, False, False), (0, 1, False, False),
+                                                            (1, 0, True, False), (1, 1, False, True)])
+def test_registered_pre_backward_asks_for_the_kernel_2_the_other_paths_take(monkeypatch, linked, post_grad, add_dx,
+                                                                             to_pre):
+    """native.cpp's registered pre backward asks site_ops for its plan with what the op was given (the forward
+    partial's splits, whether dx_post came, post_grad, as ints); the plan it gets is for the kernel 2 that the
+    eager path's plans and the CPU path take for the same call: H_res^T g only for a linked pre with post_grad."""
+    from types import SimpleNamespace
+
+    from mhc_lab.ops import site_ops
+
+    asked = []
+
+    def plan(x, op, *flags):
+        asked.append((op, flags))
+        return SimpleNamespace(splits=3)  # a forward plan's partial splits, for the eager pre's backward plan
+
+    monkeypatch.setattr(site_ops, "_plan", plan)
+    site_ops.plan_for_native("pre_backward", torch.empty(2, 4, 8), 3, linked, post_grad)
+    site_ops._choose_plan(torch.empty(2, 4, 8), "pre", False, bool(linked), bool(post_grad))
+    assert asked[0] == ("pre_backward", (3, add_dx, to_pre)) and [type(f) for f in asked[0][1]] == [int, bool, bool]
+    assert asked[2] == ("pre_backward", (3, add_dx, to_pre))
+    assert site_ops.kernel2_inputs(bool(linked), bool(post_grad)) == (add_dx, to_pre)
+
+
 @pytest.mark.parametrize("n,expected", [(1, False), (2, False), (3, False), (4, True), (8, False)])
 def test_post_gradient_goes_to_the_pre_where_kernel_2_has_two_warpgroups(n, expected):
     """The 42C path on CUDA where kernel 2 splits all n lanes between two consumer warpgroups (n = 4), the 46C

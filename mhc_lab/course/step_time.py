@@ -25,7 +25,7 @@ import torch
 
 from mhc_lab.bench.common import N
 from mhc_lab.bench.copy_floor import copy_floor_counts, copy_floor_plan
-from mhc_lab.bench.host import python_profile, where
+from mhc_lab.bench.host import python_profile
 from mhc_lab.bench.stack import PROFILED, STACK_KINDS, plain_of
 from mhc_lab.course.training_recorded import (
     BLOCK_IMPLEMENTATIONS, CHAINED_KERNEL_ELEMENTS, SITE_IMPLEMENTATIONS, kernel_label,
@@ -81,6 +81,7 @@ KERNEL_NAMES = {
     "dpre_reduce_kernel": "pre backward 1: dH_pre stream",
     "project_kernel": "pre projection (the first site)",
     "coefficients_backward_tokens_kernel": "pre backward 1: per token",
+    "pre_backward_sums_kernel": "pre backward: parameter sums",
     "token_coefficients_kernel": "pre apply: coefficients",
     "phi_split_kernel": "phi into bf16 hi + lo",
 }
@@ -90,8 +91,6 @@ def kernel_name(name: str) -> str:
     """A kernel's name for the tables: what it does where known, else the profiler's name, short."""
     if name in KERNEL_NAMES:
         return KERNEL_NAMES[name]
-    if name.startswith("void at::native::reduce_kernel") and "ReduceOp<float" in name:
-        return "torch: parameter-gradient sums"
     if "FillFunctor" in name:
         return "torch: a fill"
     return kernel_label(name)

@@ -164,9 +164,14 @@ def post_gradient_to_pre_for(x: torch.Tensor, backend: str) -> bool:
     site at n = 4), or the post's backward writes H_res^T g for kernel 2 to read back (False: 46C). True on CUDA
     where kernel 2 splits the n lanes between two consumer warpgroups (n = 4): with one warpgroup of all n lanes
     kernel 2 lost more than the post's backward saved. Decided at the forward, for both ops of a site."""
+    return backend == "kernels" and x.device.type == "cuda" and _two_consumer_groups(x.shape[-2])
+
+
+@functools.lru_cache(maxsize=None)
+def _two_consumer_groups(n: int) -> bool:
     from mhc_lab.kernels.pre_backward_lanes import consumer_groups_for
 
-    return backend == "kernels" and x.device.type == "cuda" and consumer_groups_for(x.shape[-2]) == 2
+    return consumer_groups_for(n) == 2
 
 
 @functools.lru_cache(maxsize=None)

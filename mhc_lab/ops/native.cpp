@@ -170,7 +170,7 @@ class OnDevice {
 //
 // Each at::empty and each view made through ATen costs the host a dispatch (an allocation also a trip through
 // the caching allocator), several microseconds each where one site's forward and backward made about twenty.
-// So an op's small tensors share one allocation, views are made by hand on a tensor's storage, and the lanes
+// So an op's tensors share one allocation where they can, views are made by hand on a tensor's storage, and the lanes
 // keep their leading dims ([..., n, C]: no reshape before the ops, no view backward after them).
 
 // A tensor of this dtype, sizes and strides on t's storage, elements from t's start on (no dispatch; autograd
@@ -239,15 +239,16 @@ Tensor as_dtype(const Tensor& t, at::ScalarType dtype) { return t.scalar_type() 
 
 Tensor f32(const Tensor& t) { return as_dtype(t, at::kFloat).contiguous(); }
 
-// phi [n^2+2n, nC] split into bf16 hi and lo rows (the projection's tensor-core operand)
-Tensor split_phi(const Plan& p, const Tensor& phi32) {
-  Tensor phi_hl = at::empty({p.phi_rows, p.n * p.C}, phi32.options().dtype(at::kBFloat16));
+// phi [n^2+2n, nC] split into bf16 hi and lo rows phi_hl [phi_rows, nC] (the projection's tensor-core operand)
+void split_phi(const Plan& p, const Tensor& phi32, const Tensor& phi_hl) {
   Call("mhc_lab launch: phi split").arg(phi32).arg(phi_hl).run(p.phi_split);
-  return phi_hl;
 }
 
-// Each op takes lanes x [..., n, C] and gives its per-token outputs the same leading dims. pooled: the small
-// outputs share one allocation (the C++ autograd path; see allocate).
+c10::DimVector phi_hl_shape(const Plan& p) { return {p.phi_rows, p.n * p.C}; }
+
+// Each op takes lanes x [..., n, C] and gives its per-token outputs the same leading dims. pooled: an op's
+// outputs and scratch share one allocation (the C++ autograd path; see allocate), except the pre backward's dx
+// and its parameter gradients (each lives on after the op, long or short, while the scratch would live with it).
 
 std::vector<Tensor> pre_forward_impl(const Plan& p, const Tensor& x_in, const Tensor& phi, const Tensor& bias,
                                      const Tensor& alpha, const std::optional<Tensor>& partial_in, bool pooled) {
@@ -263,26 +264,29 @@ std::vector<Tensor> pre_forward_impl(const Plan& p, const Tensor& x_in, const Te
                 given.sizes(), " ", given.scalar_type());
   }
   const auto f = at::kFloat;
-  Tensor y = at::empty(batch_shape(x, {C}), x.options());
   // link stands for H_res x without holding it: one element seen at every index, which nothing reads
-  auto small = allocate(x, {{batch_shape(x, {n}), f}, {batch_shape(x, {n, n}), f}, {batch_shape(x, {n}), f},
-                            {projected ? c10::DimVector{0} : c10::DimVector{p.splits, T, m + 1}, f},
-                            {c10::DimVector(x.sizes().begin(), x.sizes().end()), x.scalar_type(), true}},
-                        pooled);
-  const Tensor &post = small[0], &res = small[1], &pre = small[2];
-  const Tensor partial = projected ? partial_in->contiguous() : small[3];
+  auto out = allocate(x, {{batch_shape(x, {C}), x.scalar_type()}, {batch_shape(x, {n}), f},
+                          {batch_shape(x, {n, n}), f}, {batch_shape(x, {n}), f},
+                          {projected ? c10::DimVector{0} : c10::DimVector{p.splits, T, m + 1}, f},
+                          {c10::DimVector(x.sizes().begin(), x.sizes().end()), x.scalar_type(), true},
+                          {!projected && pooled && T > 0 ? phi_hl_shape(p) : c10::DimVector{0}, x.scalar_type()}},
+                      pooled);
+  const Tensor &y = out[0], &post = out[1], &res = out[2], &pre = out[3];
+  const Tensor partial = projected ? partial_in->contiguous() : out[4];
   if (T > 0) {
     OnDevice on(x);
     const Tensor bias32 = f32(bias), alpha32 = f32(alpha);
     if (!projected) {
-      const Tensor phi_hl = split_phi(p, f32(phi));
+      const Tensor phi_hl = pooled ? out[6] : at::empty(phi_hl_shape(p), x.options());  // scratch
+      split_phi(p, f32(phi), phi_hl);
       Call("mhc_lab launch: projection pass").as(x, {T, n * C}).arg(phi_hl).arg(partial).run(p.project);
     }
     Call("mhc_lab launch: pre coefficients").arg(partial).arg(bias32).arg(alpha32).as(pre, {T, n})
         .as(post, {T, n}).as(res, {T, n, n}).run(p.coefficients);
     Call("mhc_lab launch: lane mix").as(x, {T, n, C}).as(pre, {T, n}).as(y, {T, C}).run(p.mix);
   }
-  return {y, post, res, pre, small[3], small[4]};
+  out.pop_back();  // phi_hl
+  return out;
 }
 
 std::vector<Tensor> pre_backward_impl(const Plan& p, const Tensor& x_in, const Tensor& phi, const Tensor& bias,
@@ -344,31 +348,38 @@ std::vector<Tensor> pre_backward_impl(const Plan& p, const Tensor& x_in, const T
   return {dx, as_dtype(dphi, phi.scalar_type()), dtok_sum};
 }
 
-std::vector<Tensor> post_forward(const Plan& p, const Tensor& x_in, const Tensor& f_in, const Tensor& post,
-                                 const Tensor& res, const std::optional<Tensor>& phi_next) {
+std::vector<Tensor> post_forward_impl(const Plan& p, const Tensor& x_in, const Tensor& f_in, const Tensor& post,
+                                      const Tensor& res, const std::optional<Tensor>& phi_next, bool pooled) {
   RECORD_FUNCTION("mhc_lab_native::post_forward", std::vector<c10::IValue>());
   const int64_t T = tokens_of(x_in, p, "post_forward"), n = p.n, C = p.C, m = p.mixes();
   const Tensor x = x_in.contiguous(), f = f_in.contiguous();
-  Tensor out = at::empty(x.sizes(), x.options());
-  Tensor partial = at::empty(phi_next.has_value() ? c10::DimVector{p.splits, T, m + 1} : c10::DimVector{0},
-                             x.options().dtype(at::kFloat));
+  const bool project = phi_next.has_value();
+  // the next lanes, their projection for the next pre, and phi_next split (scratch: with the outputs when pooled)
+  auto out = allocate(x, {{c10::DimVector(x.sizes().begin(), x.sizes().end()), x.scalar_type()},
+                          {project ? c10::DimVector{p.splits, T, m + 1} : c10::DimVector{0}, at::kFloat},
+                          {project && pooled && T > 0 ? phi_hl_shape(p) : c10::DimVector{0}, x.scalar_type()}},
+                      pooled);
+  const Tensor &next = out[0], &partial = out[1];
   if (T > 0) {
     OnDevice on(x);
     const Tensor post32 = f32(post), res32 = f32(res);
-    if (phi_next.has_value() && p.post_project != 0) {  // the next lanes projected while on chip
-      const Tensor phi_hl = split_phi(p, f32(*phi_next));
+    Tensor phi_hl;
+    if (project) {
+      phi_hl = pooled ? out[2] : at::empty(phi_hl_shape(p), x.options());
+      split_phi(p, f32(*phi_next), phi_hl);
+    }
+    if (project && p.post_project != 0) {  // the next lanes projected while on chip
       Call("mhc_lab launch: post + projection").as(x, {T, n, C}).as(f, {T, C}).as(post32, {T, n})
-          .as(res32, {T, n, n}).arg(phi_hl).as(out, {T, n, C}).arg(partial).run(p.post_project);
+          .as(res32, {T, n, n}).arg(phi_hl).as(next, {T, n, C}).arg(partial).run(p.post_project);
     } else {
       Call("mhc_lab launch: post").as(x, {T, n, C}).as(f, {T, C}).as(post32, {T, n}).as(res32, {T, n, n})
-          .as(out, {T, n, C}).run(p.post);
-      if (phi_next.has_value()) {  // the next pre's projection pass on the next lanes
-        const Tensor phi_hl = split_phi(p, f32(*phi_next));
-        Call("mhc_lab launch: projection pass").as(out, {T, n * C}).arg(phi_hl).arg(partial).run(p.project);
+          .as(next, {T, n, C}).run(p.post);
+      if (project) {  // the next pre's projection pass on the next lanes
+        Call("mhc_lab launch: projection pass").as(next, {T, n * C}).arg(phi_hl).arg(partial).run(p.project);
       }
     }
   }
-  return {out, partial};
+  return {next, partial};  // not phi_hl
 }
 
 std::vector<Tensor> post_backward_impl(const Plan& p, const Tensor& x_in, const Tensor& f_in, const Tensor& post,
@@ -377,13 +388,13 @@ std::vector<Tensor> post_backward_impl(const Plan& p, const Tensor& x_in, const 
   const int64_t T = tokens_of(x_in, p, "post_backward"), n = p.n, C = p.C;
   const Tensor x = x_in.contiguous(), f = f_in.contiguous();
   const auto fl = at::kFloat;
-  auto small = allocate(x, {{c10::DimVector(post.sizes().begin(), post.sizes().end()), fl},
-                            {c10::DimVector(res.sizes().begin(), res.sizes().end()), fl},
-                            {p.lanes_grad ? c10::DimVector(x.sizes().begin(), x.sizes().end()) : c10::DimVector{0},
-                             x.scalar_type()}},
-                        pooled);
-  const Tensor &dpost = small[0], &dres = small[1], &dx = small[2];
-  Tensor df = at::empty(f.sizes(), f.options());
+  auto out = allocate(x, {{c10::DimVector(post.sizes().begin(), post.sizes().end()), fl},
+                          {c10::DimVector(res.sizes().begin(), res.sizes().end()), fl},
+                          {p.lanes_grad ? c10::DimVector(x.sizes().begin(), x.sizes().end()) : c10::DimVector{0},
+                           x.scalar_type()},
+                          {c10::DimVector(f.sizes().begin(), f.sizes().end()), f.scalar_type()}},
+                      pooled);
+  const Tensor &dpost = out[0], &dres = out[1], &dx = out[2], &df = out[3];
   if (T > 0) {
     OnDevice on(x);
     const Tensor g = g_in.contiguous(), post32 = f32(post), res32 = f32(res);
@@ -406,6 +417,11 @@ std::vector<Tensor> pre_backward(const Plan& p, const Tensor& x, const Tensor& p
                                  const Tensor& dy, const Tensor& dpost, const Tensor& dres,
                                  const std::optional<Tensor>& dx_post) {
   return pre_backward_impl(p, x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, false);
+}
+
+std::vector<Tensor> post_forward(const Plan& p, const Tensor& x, const Tensor& f, const Tensor& post,
+                                 const Tensor& res, const std::optional<Tensor>& phi_next) {
+  return post_forward_impl(p, x, f, post, res, phi_next, false);
 }
 
 std::vector<Tensor> post_backward(const Plan& p, const Tensor& x, const Tensor& f, const Tensor& post,
@@ -460,7 +476,7 @@ struct Post : public torch::autograd::Function<Post> {
   static variable_list forward(AutogradContext* ctx, const Plan* forward_plan, const Plan* backward_plan,
                                bool linked, Tensor x, std::optional<Tensor> link, Tensor f, Tensor post, Tensor res,
                                std::optional<Tensor> phi_next) {
-    auto out = post_forward(*forward_plan, x, f, post, res, phi_next);
+    auto out = post_forward_impl(*forward_plan, x, f, post, res, phi_next, true);
     ctx->saved_data["plan"] = reinterpret_cast<int64_t>(backward_plan);
     ctx->saved_data["linked"] = linked;
     ctx->save_for_backward({x, f, post, res});
@@ -572,8 +588,8 @@ std::tuple<Tensor, Tensor, Tensor> pre_backward_op(const Tensor& x, const Tensor
     return in_python<Result>("pre_backward", x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post,
                              std::string(backend), post_grad);
   }
-  const bool linked = dx_post.has_value(), to_pre = post_grad && linked;
-  const Plan& p = plan_for(Op::pre_backward, x, {partial.size(0), linked && !to_pre, to_pre});
+  // the plan for what the op was given (site_ops.kernel2_inputs says which kernel 2 that takes)
+  const Plan& p = plan_for(Op::pre_backward, x, {partial.size(0), dx_post.has_value(), post_grad});
   auto o = pre_backward(p, x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post);
   return {o[0], o[1], o[2]};
 }

@@ -76,6 +76,13 @@ def _plan(x: torch.Tensor, op: str, *flags):
     return plan
 
 
+def kernel2_inputs(linked: bool, post_grad: bool) -> tuple[bool, bool]:
+    """(add_dx, post_grad) of the pre backward's kernel 2, from what the op is given: for a pre linked to its post
+    it adds the post's lanes gradient as it is (add_dx), or with post_grad forms H_res^T g from the post's output
+    gradient g itself; an unlinked pre's kernel 2 adds neither. The one place this rule is written."""
+    return linked and not post_grad, linked and post_grad
+
+
 def _choose_plan(x, op: str, *flags):
     n, C = x.shape[-2], x.shape[-1]
     target, hopper = cuda_programs(x)  # the programs of the GPU x is on (Hopper or portable)
@@ -89,7 +96,7 @@ def _choose_plan(x, op: str, *flags):
     if op == "pre":
         projected, linked, post_grad = flags
         forward = _plan(x, "pre_forward", projected)
-        return forward, _plan(x, "pre_backward", forward.splits, linked and not post_grad, linked and post_grad)
+        return forward, _plan(x, "pre_backward", forward.splits, *kernel2_inputs(linked, post_grad))
     if op == "post_forward":
         (project_next,) = flags
         return native.post_forward_plan(n, C, target, hopper,
@@ -111,13 +118,19 @@ def _choose_plan(x, op: str, *flags):
 # module). Only a process's first CUDA call of the kernels backend, made before native.cpp was loaded, reaches an
 # implementation below: _first_native_call loads it and calls the op again.
 
+# The flags native.cpp passes for each op (ints): those of its plan (_plan), except the pre backward's, which are
+# what the op was given, (the forward partial's splits, linked: dx_post given, post_grad).
 _NATIVE_FLAGS = {"pre_forward": (bool,), "pre_backward": (int, bool, bool), "post_forward": (bool,),
-                 "post_backward": (bool,)}  # the flags each op's plan takes (_plan), as native.cpp passes them
+                 "post_backward": (bool,)}
 
 
 def plan_for_native(op: str, x: torch.Tensor, *flags: int):
     """The plan native.cpp's registered CUDA kernel of ``op`` runs on lanes x with these flags (ints from C++)."""
-    return _plan(x, op, *(kind(flag) for kind, flag in zip(_NATIVE_FLAGS[op], flags)))
+    flags = tuple(kind(flag) for kind, flag in zip(_NATIVE_FLAGS[op], flags))
+    if op == "pre_backward":
+        splits, linked, post_grad = flags
+        flags = (splits, *kernel2_inputs(linked, post_grad))
+    return _plan(x, op, *flags)
 
 
 def _first_native_call(op, *args):
@@ -260,8 +273,7 @@ def pre_backward_impl(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, al
     may not share memory, so the pre's autograd formula (_pre_backward) cuts it."""
     tokens, n, C = x.shape
     linked = dx_post is not None
-    post_grad = post_grad and linked
-    add_dx = linked and not post_grad  # the kernel adds dx_post as it is
+    add_dx, post_grad = kernel2_inputs(linked, post_grad)
     if backend == "reference":
         cd = res.dtype
         grads = reference_pre_backward(x, phi, bias, alpha, dy, dpost, dres)
