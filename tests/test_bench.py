@@ -1275,7 +1275,7 @@ def test_training_main_runs_the_stack_part_with_its_flags(monkeypatch, tmp_path)
 
     def bench_stack(width, tokens, bench, *, layers, kinds, rounds):
         calls.append((tokens, width, layers, list(kinds), rounds))
-        return {"tokens": tokens, "C": width}
+        return {"tokens": tokens, "C": width, "layers": layers, "run": len(calls)}
 
     monkeypatch.setattr(training, "bench_stack", bench_stack)
     for name in ("bench_site", "bench_block", "bench_block_kernels", "bench_host", "bench_portable"):
@@ -1290,7 +1290,17 @@ def test_training_main_runs_the_stack_part_with_its_flags(monkeypatch, tmp_path)
     part = recording["results"]["stack"]
     assert (part["timer"], part["copy_gbps"], part["n"], part["dtype"]) == ("stand-in timer", 4000.0, N, "bfloat16")
     assert (part["launched_timer"], part["loss"]) == (bs.LAUNCHED_TIMER, bs.LOSS)
-    assert part["shapes"] == [{"tokens": 64, "C": 256}, {"tokens": 32, "C": 512}] and "partial" not in part
+    made = {"environment": part["environment"], "command": part["command"]}
+    assert part["shapes"] == [{"tokens": 64, "C": 256, "layers": 3, "run": 1, **made},
+                              {"tokens": 32, "C": 512, "layers": 3, "run": 2, **made}] and "partial" not in part
+    # a later run replaces the shapes it measures and keeps the others, each with the command that made it
+    again = ["--parts", "stack", "--stack-shapes", "32x512,16x128", "--stack-layers", "3", "--name", "t", "--out",
+             str(tmp_path)]
+    assert training.main(again) == 0
+    part = json.loads((tmp_path / "t.json").read_text())["results"]["stack"]
+    assert [(s["tokens"], s["C"], s["run"]) for s in part["shapes"]] == [(16, 128, 4), (64, 256, 1), (32, 512, 3)]
+    assert part["shapes"][1]["command"] == made["command"] and "--stack-shapes 64x256,32x512" in made["command"]
+    assert "--stack-shapes 32x512,16x128" in part["shapes"][0]["command"] == part["shapes"][2]["command"]
     calls.clear()
     assert training.main(["--parts", "stack", "--stack-kinds", "residual,mhc_tilekernels", "--no-save"]) == 0
     assert calls == [(t, c, 8, ["residual", "mhc_tilekernels"], 3) for t, c in bs.STACK_SHAPES]

@@ -31,6 +31,12 @@ def _measured(section: dict) -> str:
     return f"{env.get('gpu', '?')}, {env.get('date', '?')}"
 
 
+def _measured_shapes(section: dict) -> str:
+    """_measured of a section whose shapes each carry the environment that made them (part 'stack')."""
+    return "; ".join(dict.fromkeys(_measured({"environment": shape.get("environment") or section.get("environment")
+                                                             or {}}) for shape in section.get("shapes", [])))
+
+
 def _ms(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -138,7 +144,7 @@ def stack_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
                 ratio = over.get("launched", {}).get(compiled, {}).get("median")
                 cells.append(_ms(times.get(compiled)) + (f" ({ratio:.2f}x)" if ratio else ""))
             rows.append([where, "torch.compile, reduce-overhead, ms"] + cells)
-    return header, rows, _measured(stack)
+    return header, rows, _measured_shapes(stack)
 
 
 DEEPSEEK_V4_PASSES = {"step": "training step", "forward": "forward, autograd recording",

@@ -23,7 +23,8 @@ Parts, each a section of mhc_lab/recorded/training_h200.json (a run of some part
   --stack-shapes, trained one step at a time as a user's loop does, joined by the plain residual, the fused
   stream (MHCResidualStream, kernels), the reference stream and TileKernels: launched (wall clock) and as CUDA
   graphs in --stack-rounds interleaved rounds, the kernels' GPU time and count, the ratios to the plain residual,
-  and where the fused stream's host time goes (cProfile).
+  and where the fused stream's host time goes (cProfile). A run replaces the shapes it measures in the section
+  and keeps the others; each shape carries the environment and command that made it.
 - deepseek_v4 (mhc_lab.bench.deepseek_v4, not a default part): one training step of a small random DeepSeek-V4
   from transformers (--deepseek-v4-shapes TOKENSxHIDDEN, --deepseek-v4-layers), as transformers runs it and with
   its mHC sites run by mhc_lab.ops (use_mhc_lab), on the same weights and tokens: the step, the forward with
@@ -49,6 +50,7 @@ from mhc_lab.bench.kernels import bench_block_kernels
 from mhc_lab.bench.portable import bench_portable
 from mhc_lab.bench.site import bench_site
 from mhc_lab.bench.stack import ALL_KINDS, LAUNCHED_TIMER, LOSS, STACK_KINDS, STACK_SHAPES, bench_stack
+from mhc_lab.measure import bench_command, environment_tags, recorded_or_none
 
 RECORDING = "training_h200"
 PARTS = ("site", "block", "block_kernels", "host", "portable", "stack", "deepseek_v4")
@@ -124,6 +126,19 @@ def _check(parser, args) -> list[str]:
     return [p for p in PARTS if p in parts]
 
 
+def recorded_stack_shapes(args, measured: set) -> list[dict]:
+    """The shapes of the recording's stack section that this run does not measure (a run of part 'stack' replaces
+    the shapes it measures and keeps the others: a stack of every kind at 8192 x 2048 takes most of a device
+    call alone), each with the environment and command that made it; none with --no-save."""
+    if args.no_save:
+        return []
+    recording = recorded_or_none(args.name, directory=args.out_dir) or {}
+    section = recording.get("results", {}).get("stack") or {}
+    made = {"environment": section.get("environment"), "command": section.get("command")}
+    return [{**made, **shape} for shape in section.get("shapes", [])
+            if (shape["tokens"], shape["C"], shape["layers"]) not in measured]
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -186,10 +201,14 @@ def main(argv=None) -> int:
     if "stack" in parts:
         kinds = [k for k in args.stack_kinds.split(",")
                  if k and not (k == "mhc_tilekernels" and "tilekernels" in skip)]
-        sections["stack"] = {**setup, "launched_timer": LAUNCHED_TIMER, "loss": LOSS, "shapes": []}
-        for tokens, C in parse_shapes(args.stack_shapes):
-            sections["stack"]["shapes"].append(bench_stack(C, tokens, bench, layers=args.stack_layers, kinds=kinds,
-                                                           rounds=args.stack_rounds))
+        measured = parse_shapes(args.stack_shapes)
+        sections["stack"] = {**setup, "launched_timer": LAUNCHED_TIMER, "loss": LOSS,
+                             "shapes": recorded_stack_shapes(args, {(t, c, args.stack_layers) for t, c in measured})}
+        made = {"environment": environment_tags(), "command": bench_command("training", argv)}
+        for tokens, C in measured:
+            shape = bench_stack(C, tokens, bench, layers=args.stack_layers, kinds=kinds, rounds=args.stack_rounds)
+            sections["stack"]["shapes"] = sorted(sections["stack"]["shapes"] + [{**shape, **made}],
+                                                 key=lambda s: (s["C"], s["tokens"]))
             save(final=False)
             torch.cuda.empty_cache()
     if "deepseek_v4" in parts:

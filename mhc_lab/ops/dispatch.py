@@ -79,11 +79,14 @@ _warned: set[str] = set()  # the reasons resolve_backend has warned of in this p
 _RESOLVED: dict = {}  # (backend, device, dtype, n, C) -> the backend that runs: a site asks on every call
 
 
+@torch.compiler.assume_constant_result
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     """'auto' -> 'kernels' on CUDA where they apply (the GPU's architecture included), else 'reference', with a
     warning, once per process and reason, where the lanes suit the kernels but their GPU cannot run them;
     'kernels' is checked, not downgraded (an InputError that names the GPU where it is the GPU). Decided once
-    per backend, device, dtype, n and C (the checks cost a site tens of microseconds of host time)."""
+    per backend, device, dtype, n and C (the checks cost a site tens of microseconds of host time). A
+    torch.compile trace takes the answer as a constant: traced, the first call's lookup would fill the cache,
+    and its guard on the key's absence would compile the graph a second time."""
     if backend not in BACKENDS:
         raise InputError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     key = (backend, x.device, x.dtype, x.shape[-2], x.shape[-1])

@@ -71,9 +71,6 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
     (fused_projection_applies)."""
     check_site(x, phi, bias, alpha, "mhc_site")
     chosen = resolve_backend(backend, x)
-    y, post, res, _, _, link = run_pre_forward(x, phi, bias, alpha, chosen, partial, linked=True)
-    f = layer(y)
-    check_layer_output(x, f, "mhc_site")
     if next_phi is not None:
         require_tensor("next_phi", next_phi)
         if tuple(next_phi.shape) != tuple(phi.shape) or next_phi.device != x.device:
@@ -84,24 +81,40 @@ def mhc_site_chained(x, phi, bias, alpha, layer, *, partial=None, next_phi=None,
                              f"({_describe(next_phi)})")
         if not fused_projection_applies(chosen, x):
             next_phi = None
-    out, partial_next = run_post_forward_linked(x, link, f, post, res, chosen, next_phi)
+    return _checked_site(x, phi, bias, alpha, layer, partial, next_phi, chosen)
+
+
+def _checked_site(x, phi, bias, alpha, layer, partial, next_phi, backend: str):
+    """mhc_site_chained on inputs already checked, with the backend that runs and a next_phi the post projects
+    with (None where it does not)."""
+    y, post, res, _, _, link = run_pre_forward(x, phi, bias, alpha, backend, partial, linked=True)
+    f = layer(y)
+    check_layer_output(x, f, "mhc_site")
+    out, partial_next = run_post_forward_linked(x, link, f, post, res, backend, next_phi)
     return out, (partial_next if next_phi is not None else None)
 
 
 def run_sites(x, connections, layers):
     """x through a chain of MHCConnections, each around its layer; every post projects its lanes for the next
-    site's pre (mhc_site_chained) where the next site has the same backend, n and width, so inside the chain
-    the lanes are read once per site, not twice."""
+    site's pre (mhc_site_chained) where the next site runs the same backend on lanes of the same n and width,
+    so inside the chain the lanes are read once per site, not twice. Every connection's parameters are checked
+    against x before the first site runs (the lanes keep x's shape from site to site)."""
     connections, layers = list(connections), list(layers)
     if len(connections) != len(layers):
         raise InputError(f"run_sites: expected one connection per layer, got {len(connections)} connections and "
                          f"{len(layers)} layers")
+    sites = []
+    for connection in connections:
+        require_lanes("x", x, n=connection.n)
+        parameters = connection.phi, connection.bias, connection.alpha
+        check_site(x, *parameters, "mhc_site")
+        sites.append((parameters, resolve_backend(connection.backend, x)))
+    projects = {backend: fused_projection_applies(backend, x) for _, backend in sites}
     partial = None
-    for i, (connection, layer) in enumerate(zip(connections, layers)):
-        following = connections[i + 1] if i + 1 < len(connections) else None
-        chain = following is not None and (following.backend, following.n, following.width) == (
-            connection.backend, connection.n, connection.width)
-        x, partial = connection.chained(x, layer, partial, following.phi if chain else None)
+    for i, ((parameters, backend), layer) in enumerate(zip(sites, layers)):
+        following = sites[i + 1] if i + 1 < len(sites) else None
+        chain = following is not None and following[1] == backend and projects[backend]
+        x, partial = _checked_site(x, *parameters, layer, partial, following[0][0] if chain else None, backend)
     return x
 
 
@@ -122,12 +135,6 @@ class MHCConnection(nn.Module):
     def forward(self, x: torch.Tensor, layer) -> torch.Tensor:
         require_lanes("x", x, n=self.n)
         return mhc_site(x, self.phi, self.bias, self.alpha, layer, backend=self.backend)
-
-    def chained(self, x: torch.Tensor, layer, partial=None, next_phi=None):
-        """(x_next, partial_next) of mhc_site_chained: how run_sites links consecutive connections."""
-        require_lanes("x", x, n=self.n)
-        return mhc_site_chained(x, self.phi, self.bias, self.alpha, layer, partial=partial, next_phi=next_phi,
-                                backend=self.backend)
 
 
 def recompute_policy(ctx, op, *args, **kwargs):
