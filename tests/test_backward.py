@@ -972,12 +972,16 @@ def test_eager_path_and_custom_ops_give_the_same_bits(backend, dtype, device):
 
 
 @pytest.mark.parametrize("backend", ["reference", "kernels"])
-def test_compiled_stream_traces_once_for_every_step(backend):
+def test_compiled_stream_traces_once_for_every_step(monkeypatch, backend):
     """torch.compile takes a training loop's stream whole: one graph (no break at the sites' ops), and the
-    steps after the first run it without compiling again. The kernels backend's sites are the mhc_lab custom
+    steps after the first run it without compiling again, also where the process has not run a site before (the
+    backend each site runs is decided in the first trace). The kernels backend's sites are the mhc_lab custom
     ops in that graph; the reference backend's are its PyTorch math, traced (no op of ours, no value check)."""
     from torch._dynamo.utils import counters
 
+    from mhc_lab.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_RESOLVED", {})  # as in a fresh process
     stream = _stream(None, backend, layers=3)
     torch._dynamo.reset()
     counters.clear()
