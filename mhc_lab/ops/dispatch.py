@@ -151,6 +151,7 @@ def partial_splits(backend: str, x: torch.Tensor, *, chained: bool = False) -> i
     return 1
 
 
+@torch.compiler.assume_constant_result  # as resolve_backend: read from caches that a first trace would fill
 def fused_projection_applies(backend: str, x: torch.Tensor) -> bool:
     """Whether a post can project its lanes for the next site (post_forward_linked's phi_next): always for the
     reference and the C target; on CUDA where the fused kernel runs, a Hopper program (cuda_programs), and its
