@@ -27,14 +27,15 @@ def _median_or_none(values) -> float | None:
 
 
 def _measured(section: dict) -> str:
-    env = section.get("environment", {})
+    env = section.get("environment") or {}
     return f"{env.get('gpu', '?')}, {env.get('date', '?')}"
 
 
 def _measured_shapes(section: dict) -> str:
-    """_measured of a section whose shapes each carry the environment that made them (part 'stack')."""
-    return "; ".join(dict.fromkeys(_measured({"environment": shape.get("environment") or section.get("environment")
-                                                             or {}}) for shape in section.get("shapes", [])))
+    """_measured of a section whose shapes each carry the environment that made them (part 'stack'), or else
+    the section's."""
+    return "; ".join(dict.fromkeys(_measured(shape if shape.get("environment") else section)
+                                   for shape in section.get("shapes", [])))
 
 
 def _ms(value) -> str:

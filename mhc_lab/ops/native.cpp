@@ -239,16 +239,23 @@ Tensor as_dtype(const Tensor& t, at::ScalarType dtype) { return t.scalar_type() 
 
 Tensor f32(const Tensor& t) { return as_dtype(t, at::kFloat).contiguous(); }
 
-// phi [n^2+2n, nC] split into bf16 hi and lo rows phi_hl [phi_rows, nC] (the projection's tensor-core operand)
-void split_phi(const Plan& p, const Tensor& phi32, const Tensor& phi_hl) {
-  Call("mhc_lab launch: phi split").arg(phi32).arg(phi_hl).run(p.phi_split);
+// The piece of an op's allocation that phi split takes (wanted: the op splits phi and pools its scratch).
+Piece phi_hl_piece(const Plan& p, bool wanted) {
+  return {wanted ? c10::DimVector{p.phi_rows, p.n * p.C} : c10::DimVector{0}, at::kBFloat16};
 }
 
-c10::DimVector phi_hl_shape(const Plan& p) { return {p.phi_rows, p.n * p.C}; }
+// phi [n^2+2n, nC] split into bf16 hi and lo rows [phi_rows, nC] (the projection's tensor-core operand): into
+// `piece` (the op's phi_hl_piece) where it was wanted, else into an allocation of its own.
+Tensor split_phi(const Plan& p, const Tensor& phi, const Tensor& piece) {
+  const Tensor phi_hl =
+      piece.numel() ? piece : at::empty({p.phi_rows, p.n * p.C}, phi.options().dtype(at::kBFloat16));
+  Call("mhc_lab launch: phi split").arg(f32(phi)).arg(phi_hl).run(p.phi_split);
+  return phi_hl;
+}
 
 // Each op takes lanes x [..., n, C] and gives its per-token outputs the same leading dims. pooled: an op's
 // outputs and scratch share one allocation (the C++ autograd path; see allocate), except the pre backward's dx
-// and its parameter gradients (each lives on after the op, long or short, while the scratch would live with it).
+// and its parameter gradients, which outlive the op (the scratch would live as long as they do).
 
 std::vector<Tensor> pre_forward_impl(const Plan& p, const Tensor& x_in, const Tensor& phi, const Tensor& bias,
                                      const Tensor& alpha, const std::optional<Tensor>& partial_in, bool pooled) {
@@ -269,7 +276,7 @@ std::vector<Tensor> pre_forward_impl(const Plan& p, const Tensor& x_in, const Te
                           {batch_shape(x, {n, n}), f}, {batch_shape(x, {n}), f},
                           {projected ? c10::DimVector{0} : c10::DimVector{p.splits, T, m + 1}, f},
                           {c10::DimVector(x.sizes().begin(), x.sizes().end()), x.scalar_type(), true},
-                          {!projected && pooled && T > 0 ? phi_hl_shape(p) : c10::DimVector{0}, x.scalar_type()}},
+                          phi_hl_piece(p, !projected && pooled && T > 0)},
                       pooled);
   const Tensor &y = out[0], &post = out[1], &res = out[2], &pre = out[3];
   const Tensor partial = projected ? partial_in->contiguous() : out[4];
@@ -277,8 +284,7 @@ std::vector<Tensor> pre_forward_impl(const Plan& p, const Tensor& x_in, const Te
     OnDevice on(x);
     const Tensor bias32 = f32(bias), alpha32 = f32(alpha);
     if (!projected) {
-      const Tensor phi_hl = pooled ? out[6] : at::empty(phi_hl_shape(p), x.options());  // scratch
-      split_phi(p, f32(phi), phi_hl);
+      const Tensor phi_hl = split_phi(p, phi, out[6]);
       Call("mhc_lab launch: projection pass").as(x, {T, n * C}).arg(phi_hl).arg(partial).run(p.project);
     }
     Call("mhc_lab launch: pre coefficients").arg(partial).arg(bias32).arg(alpha32).as(pre, {T, n})
@@ -357,17 +363,13 @@ std::vector<Tensor> post_forward_impl(const Plan& p, const Tensor& x_in, const T
   // the next lanes, their projection for the next pre, and phi_next split (scratch: with the outputs when pooled)
   auto out = allocate(x, {{c10::DimVector(x.sizes().begin(), x.sizes().end()), x.scalar_type()},
                           {project ? c10::DimVector{p.splits, T, m + 1} : c10::DimVector{0}, at::kFloat},
-                          {project && pooled && T > 0 ? phi_hl_shape(p) : c10::DimVector{0}, x.scalar_type()}},
+                          phi_hl_piece(p, project && pooled && T > 0)},
                       pooled);
   const Tensor &next = out[0], &partial = out[1];
   if (T > 0) {
     OnDevice on(x);
     const Tensor post32 = f32(post), res32 = f32(res);
-    Tensor phi_hl;
-    if (project) {
-      phi_hl = pooled ? out[2] : at::empty(phi_hl_shape(p), x.options());
-      split_phi(p, f32(*phi_next), phi_hl);
-    }
+    const Tensor phi_hl = project ? split_phi(p, *phi_next, out[2]) : Tensor();
     if (project && p.post_project != 0) {  // the next lanes projected while on chip
       Call("mhc_lab launch: post + projection").as(x, {T, n, C}).as(f, {T, C}).as(post32, {T, n})
           .as(res32, {T, n, n}).arg(phi_hl).as(next, {T, n, C}).arg(partial).run(p.post_project);
