@@ -719,7 +719,7 @@ def _chain_of_sites(backend, dtype, n, C, device="cpu"):
 
 def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
     """run_sites against sites that each project for themselves: the largest relative difference over the
-    output and every gradient; asserts that every pre but the first took its partial_in."""
+    output and every gradient; asserts that the first pre projected for itself and every post for the next pre."""
     from mhc_lab.ops import modules
 
     layers, connections, x, upstream = _chain_of_sites(backend, dtype, n, C, device)
@@ -736,16 +736,21 @@ def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
         return h
 
     seen = []
-    real = modules.run_pre_forward
+    real_pre, real_step = modules.run_pre_forward, modules.run_post_then_pre
 
-    def spy(*args, **options):
-        seen.append(len(args) > 5 and args[5] is not None)
-        return real(*args, **options)
+    def pre(*args, **options):
+        seen.append(("pre", len(args) > 5 and args[5] is not None))
+        return real_pre(*args, **options)
+
+    def step(*args):
+        seen.append(("post then pre", args[-1]))
+        return real_step(*args)
 
     want = grads(unchained)
-    monkeypatch.setattr(modules, "run_pre_forward", spy)
+    monkeypatch.setattr(modules, "run_pre_forward", pre)
+    monkeypatch.setattr(modules, "run_post_then_pre", step)
     got = grads(lambda h: modules.run_sites(h, connections, layers))
-    assert seen == [False, True, True]
+    assert seen == [("pre", False), ("post then pre", True), ("post then pre", True)]
     return max(_relmax(a, b) for a, b in zip(got, want))
 
 
@@ -1378,10 +1383,11 @@ def test_cuda_compiled_stream_runs_the_registered_cuda_kernels(monkeypatch):
 @pytest.mark.parametrize("n,C", [(4, 136), (2, 40), (8, 16), (1, 1000)])
 def test_cuda_native_chain_keeps_the_lanes_leading_dims(n, C):
     """Three chained sites on lanes [2, 37, n, C] through the kernels: native.cpp's ops take and give the lanes'
-    leading dims (no view, reshape or expand in the graph: only the C++ nodes and the layers') and match the same
-    chain with the reference backend in float64, output and every gradient. The tolerance is bf16's: 2e-2 relative
-    in norm, or twice the error of the reference backend's own chain in bf16 where that is larger (a parameter's
-    gradient sums 74 tokens' terms that largely cancel: at n = 1 the bf16 reference misses the pre bias's by 9%)."""
+    leading dims (no view, reshape or expand in the graph: only the C++ nodes, a pre, joints and a post, and the
+    layers') and match the same chain with the reference backend in float64, output and every gradient. The
+    tolerance is bf16's: 2e-2 relative in norm, or twice the error of the reference backend's own chain in bf16
+    where that is larger (a parameter's gradient sums 74 tokens' terms that largely cancel: at n = 1 the bf16
+    reference misses the pre bias's by 9%)."""
     from mhc_lab.ops import MHCConnection, run_sites
 
     gen = torch.Generator().manual_seed(n)
@@ -1398,16 +1404,18 @@ def test_cuda_native_chain_keeps_the_lanes_leading_dims(n, C):
         leaf = x.to("cuda", torch.bfloat16).to(dtype).requires_grad_()
         out = run_sites(leaf, connections, layers)
         if backend == "kernels":
-            stack = [out.grad_fn]
+            stack, seen = [out.grad_fn], set()
             while stack:
                 node = stack.pop()
-                if node is not None and node.name() not in names:
+                if node is not None and node not in seen:
+                    seen.add(node)
                     names.add(node.name())
                     stack.extend(next_node for next_node, _ in node.next_functions)
         params = [p for c in connections for p in c.parameters()]
         runs[backend, dtype] = (out, *torch.autograd.grad(out, [leaf, *params], g.to("cuda", dtype)))
-    assert names == {"torch::autograd::CppNode<mhc_native::Pre>", "torch::autograd::CppNode<mhc_native::Post>",
-                     "TanhBackward0", "MulBackward0", "torch::autograd::AccumulateGrad"}, names
+    assert names == {"torch::autograd::CppNode<mhc_native::Pre>", "torch::autograd::CppNode<mhc_native::Joint>",
+                     "torch::autograd::CppNode<mhc_native::Post>", "TanhBackward0", "MulBackward0",
+                     "torch::autograd::AccumulateGrad"}, names
     truth, bf16 = runs["reference", torch.float64], runs["reference", torch.bfloat16]
     for i, (got, want, yardstick) in enumerate(zip(runs["kernels", torch.bfloat16], truth, bf16)):
         assert got.shape == want.shape, i

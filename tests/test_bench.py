@@ -706,7 +706,8 @@ def _ops_spied(monkeypatch, ran):
     """mhc_lab.ops' site functions, recording their names when called (the benchmarks import them at call time)."""
     from mhc_lab import ops
 
-    for name in ("mhc_pre", "mhc_post", "mhc_site", "mhc_site_chained", "mhc_pre_fused", "mhc_post_fused"):
+    for name in ("mhc_pre", "mhc_post", "mhc_site", "mhc_site_chained", "run_sites", "mhc_pre_fused",
+                 "mhc_post_fused"):
         monkeypatch.setattr(ops, name, _spy(ran, name, getattr(ops, name)))
 
 
@@ -945,13 +946,12 @@ def test_forward_reference_part_times_eager_and_compiled_and_the_summary_reads_t
     assert lines[1].split() == ["8x16", "eager", "2.000", "2", "200.0", "0.0e+00"]
 
 
-def test_host_part_times_the_chained_site(monkeypatch):
-    """bench_host on the CPU (stand-in graph, profiler and CUDA synchronisation): the site it times, launched, as
-    a graph, under the profiler and under cProfile, is the chained site; its Python functions are listed by own
-    time, the most first."""
+def test_host_part_times_a_chain_of_sites_per_site(monkeypatch):
+    """bench_host on the CPU (stand-in graph, profiler and CUDA synchronisation): the step it times, launched, as
+    a graph, under the profiler and under cProfile, is run_sites over its chain; every figure is per site; its
+    Python functions are listed by own time, the most first."""
     ran = []
     _ops_spied(monkeypatch, ran)
-    monkeypatch.setattr(site, "torch", _cpu_torch())
     monkeypatch.setattr(common, "torch", _cpu_torch())
     monkeypatch.setattr(host, "torch", _cpu_torch())
     replayed = []
@@ -966,16 +966,16 @@ def test_host_part_times_the_chained_site(monkeypatch):
     def kernel_times(step, repeat=5):
         ran.clear()
         step()
-        assert ran == ["mhc_site_chained"]
+        assert ran == ["run_sites"]
         return {"pre": (0.01, 2.0), "post": (0.02, 1.0)}
 
     monkeypatch.setattr(host, "graph_replay", replay_of)
     monkeypatch.setattr(host, "kernel_times", kernel_times)
     ran.clear()
-    out = host.bench_host(8, 16, steps=3, top=5, log=lambda line: None)["site"]
-    assert set(ran) == {"mhc_site_chained"} and len(replayed) == 3 + 3
-    assert (out["tokens"], out["C"], out["kernels_per_step"]) == (8, 16, 3.0)
-    assert out["kernel_ms"] == pytest.approx(0.03) and out["launched_ms"] > 0 and out["graph_ms"] > 0
+    out = host.bench_host(8, 16, sites=3, steps=3, top=5, log=lambda line: None)["site"]
+    assert set(ran) == {"run_sites"} and len(replayed) == 3 + 3
+    assert (out["tokens"], out["C"], out["sites"], out["kernels_per_site"]) == (8, 16, 3, 1.0)
+    assert out["kernel_ms"] == pytest.approx(0.01) and out["launched_ms"] > 0 and out["graph_ms"] > 0
     rows = out["host_us_by_function"]
     assert 0 < len(rows) <= 5 and [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
     assert {"us", "calls", "function"} == set(rows[0])
@@ -1054,6 +1054,13 @@ def _stacks_on_cpu(monkeypatch, ran: list, *, tilekernels: bool = True):
         return pre_forward(x, phi, bias, alpha, backend, *rest, **options)
 
     monkeypatch.setattr(modules, "run_pre_forward", spied_pre)
+    post_then_pre = modules.run_post_then_pre
+
+    def spied_step(*args):  # the post of one site, then the pre of the next (its backend: args[-2])
+        ran.append(f"pre:{args[-2]}")
+        return post_then_pre(*args)
+
+    monkeypatch.setattr(modules, "run_post_then_pre", spied_step)
 
 
 def _stack_section(shapes: list) -> dict:

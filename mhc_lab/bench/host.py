@@ -1,8 +1,9 @@
-"""What the host costs per site (part 'host' of the training benchmark, not among its default parts): the
-chained site's forward + backward at a small shape, where the GPU's work is a few microseconds per kernel, timed
-launched (wall clock per step) and as a CUDA graph (the GPU alone), with its kernels per step (profiler) and the
-Python functions that take the host's time (cProfile, own time), and the host's events under torch.profiler
-(ATen ops, autograd nodes, CUDA launches, the C++ ops of native.cpp and their kernels' launches)."""
+"""What the host costs per site (part 'host' of the training benchmark, not among its default parts): a chain of
+sites (run_sites, identity layers) forward + backward at a small shape, where the GPU's work is a few
+microseconds per kernel, timed launched (wall clock per step) and as a CUDA graph (the GPU alone), with its
+kernels (profiler), the Python functions that take the host's time (cProfile, own time) and the host's events
+under torch.profiler (ATen ops, autograd nodes, CUDA launches, the C++ ops of native.cpp and their kernels'
+launches), each per site."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import time
 
 import torch
 
-from mhc_lab.bench.common import graph_replay
+from mhc_lab.bench.common import N, graph_replay, site_inputs
 from mhc_lab.bench.kernels import kernel_times, kernel_totals
-from mhc_lab.bench.site import site_implementations, site_operands
 
 
 def wall_ms(step, repeat: int) -> float:
@@ -86,27 +86,62 @@ def event_profile(step, steps: int, *, top: int) -> dict:
             "native": sorted((r for r in rows if r["event"].startswith("mhc_lab")), key=lambda r: -r["us"])}
 
 
-def bench_host(tokens: int = 256, C: int = 768, *, steps: int = 200, top: int = 25, log=print) -> dict:
-    """The chained site at tokens x C: launched and graph wall times, its kernels' GPU time and count, and the
-    ``top`` Python functions by own time per step."""
-    impls, _ = site_implementations({"compile", "eager", "tilekernels"})
-    leaves, g = site_operands(tokens, C)
+SITES = 8  # the stack's layers (part 'stack'): the chain's two ends weigh in a site's mean as they do there
 
-    def site():
-        return torch.autograd.grad(impls["ours_chained"](*leaves), leaves, g)
 
-    out = {"tokens": tokens, "C": C, "launched_ms": wall_ms(site, steps),
-           "graph_ms": wall_ms(graph_replay(site), steps)}
-    out["kernel_ms"], out["kernels_per_step"] = kernel_totals(kernel_times(site))
-    profile = python_profile(site, steps, top=top)
-    out["host_us_by_function"] = [{k: row[k] for k in ("us", "calls", "function")} for row in profile["by_own_time"]]
-    out["host_us_by_event"] = event_profile(site, steps, top=top)
-    log(f"  host: site {tokens}x{C} chained: {out['launched_ms']:.3f} ms launched, {out['graph_ms']:.3f} ms as a "
-        f"CUDA graph, {out['kernels_per_step']:.0f} kernels ({out['kernel_ms']:.3f} ms of kernel time)")
+def chain_step(tokens: int, C: int, sites: int = SITES):
+    """One training step's mHC work without the layers': run_sites over ``sites`` connections with identity
+    layers on random lanes [tokens, N, C], forward and backward (autograd.grad of the lanes and every parameter;
+    the parameters are the bench's site inputs, the same for every site)."""
+    from mhc_lab.ops import MHCConnection, run_sites
+
+    x, phi, bias, alpha = site_inputs(tokens, C)
+    connections = [MHCConnection(N, C, backend="kernels").to(x.device) for _ in range(sites)]
+    with torch.no_grad():
+        for c in connections:
+            for parameter, value in zip(c.parameters(), (phi, bias, alpha)):
+                parameter.copy_(value)
+    lanes = x.detach().clone().requires_grad_()
+    leaves = [lanes, *(p for c in connections for p in c.parameters())]
+    g = torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    layers = [_identity] * sites
+
+    def step():
+        return torch.autograd.grad(run_sites(lanes, connections, layers), leaves, g)
+
+    return step
+
+
+def _identity(y):
+    return y
+
+
+def _per_site(rows: list, sites: int, keys) -> list:
+    return [{**row, **{k: round(row[k] / sites, 2) for k in keys}} for row in rows]
+
+
+def bench_host(tokens: int = 256, C: int = 768, *, sites: int = SITES, steps: int = 200, top: int = 25,
+               log=print) -> dict:
+    """A chain of ``sites`` sites at tokens x C (chain_step), per site: launched and graph wall times, its
+    kernels' GPU time and count, the ``top`` Python functions by own time and the host's events."""
+    step = chain_step(tokens, C, sites)
+    out = {"tokens": tokens, "C": C, "sites": sites, "launched_ms": wall_ms(step, steps) / sites,
+           "graph_ms": wall_ms(graph_replay(step), steps) / sites}
+    kernel_ms, kernels = kernel_totals(kernel_times(step))
+    out["kernel_ms"], out["kernels_per_site"] = kernel_ms / sites, kernels / sites
+    profile = python_profile(step, steps, top=top)
+    out["host_us_by_function"] = _per_site([{k: row[k] for k in ("us", "calls", "function")}
+                                            for row in profile["by_own_time"]], sites, ("us", "calls"))
+    events = event_profile(step, steps, top=top)
+    out["host_us_by_event"] = {part: _per_site(rows, sites, ("us", "own_us", "calls"))
+                               for part, rows in events.items()}
+    log(f"  host: {sites} chained sites at {tokens}x{C}, per site: {out['launched_ms']:.3f} ms launched, "
+        f"{out['graph_ms']:.3f} ms as a CUDA graph, {out['kernels_per_site']:.2f} kernels ({out['kernel_ms']:.3f} ms "
+        "of kernel time)")
     for row in out["host_us_by_function"]:
-        log(f"    {row['us']:8.1f} us  {row['calls']:6.1f} calls  {row['function']}")
-    log("  host events by own time per step (torch.profiler; us inside, us own, calls):")
+        log(f"    {row['us']:8.1f} us  {row['calls']:6.2f} calls  {row['function']}")
+    log("  host events by own time per site (torch.profiler; us inside, us own, calls):")
     events = out["host_us_by_event"]
     for row in events["by_own_time"] + [r for r in events["native"] if r not in events["by_own_time"]]:
-        log(f"    {row['us']:8.1f} {row['own_us']:8.1f} {row['calls']:6.1f}  {row['event']}")
+        log(f"    {row['us']:8.1f} {row['own_us']:8.1f} {row['calls']:6.2f}  {row['event']}")
     return {"site": out}

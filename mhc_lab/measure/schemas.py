@@ -398,17 +398,18 @@ HOST_EVENTS = obj("Where the host's time goes by torch.profiler's events, per st
     "by_own_time": array("The events with the most own time per step, the most first.", HOST_EVENT),
     "native": array("native.cpp's ops and launches, the most time first.", HOST_EVENT),
 })
-TRAINING_HOST = _section("What the host costs per chained site at a small shape (part 'host').", required={
-    "site": obj("The chained site, forward + backward.", required={
-        "tokens": integer("Tokens."), "C": integer("Width."),
-        "launched_ms": number("Wall time per step, launched op by op, ms."),
-        "graph_ms": number("Wall time per replay of its CUDA graph, ms."),
-        "kernel_ms": number("GPU time of its kernels per step, ms."),
-        "kernels_per_step": number("Kernels per step."),
-        "host_us_by_function": array("The Python functions with the most own time per step (cProfile).",
+TRAINING_HOST = _section("What the host costs per site in a chain at a small shape (part 'host').", required={
+    "site": obj("A chain of sites (run_sites, identity layers), forward + backward, every figure per site.",
+                required={
+        "tokens": integer("Tokens."), "C": integer("Width."), "sites": integer("Sites in the chain."),
+        "launched_ms": number("Wall time per site, launched op by op, ms."),
+        "graph_ms": number("Wall time per site in a replay of the chain's CUDA graph, ms."),
+        "kernel_ms": number("GPU time of its kernels per site, ms."),
+        "kernels_per_site": number("Kernels per site."),
+        "host_us_by_function": array("The Python functions with the most own time per site (cProfile).",
                                      obj("One function.", required={
-                                         "us": number("Own microseconds per step."),
-                                         "calls": number("Calls per step."), "function": text("Where.")})),
+                                         "us": number("Own microseconds per site."),
+                                         "calls": number("Calls per site."), "function": text("Where.")})),
         "host_us_by_event": HOST_EVENTS,
     }),
 })

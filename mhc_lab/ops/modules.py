@@ -24,7 +24,7 @@ from mhc_lab.ops.dispatch import (
     resolve_backend,
 )
 from mhc_lab.ops.forward import _describe
-from mhc_lab.ops.site_ops import run_post_forward, run_post_forward_linked, run_pre_forward
+from mhc_lab.ops.site_ops import run_post_forward, run_post_forward_linked, run_post_then_pre, run_pre_forward
 from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes
 from mhc_lab.reference.mhc import mhc_identity_init
 from mhc_lab.reference.validate import InputError, require_lanes, require_positive_int, require_tensor
@@ -95,10 +95,11 @@ def _checked_site(x, phi, bias, alpha, layer, partial, next_phi, backend: str):
 
 
 def run_sites(x, connections, layers):
-    """x through a chain of MHCConnections, each around its layer; every post projects its lanes for the next
-    site's pre (mhc_site_chained) where the next site runs the same backend on lanes of the same n and width,
-    so inside the chain the lanes are read once per site, not twice. Every connection's parameters are checked
-    against x before the first site runs (the lanes keep x's shape from site to site)."""
+    """x through a chain of MHCConnections, each around its layer. Each post and the next site's pre run as one
+    step (site_ops.run_post_then_pre: on CUDA one autograd node), and the post projects its lanes for that pre
+    where both run the same backend and the projection applies (fused_projection_applies), so inside the chain
+    the lanes are read once per site, not twice. Every connection's parameters are checked against x before the
+    first site runs (the lanes keep x's shape from site to site)."""
     connections, layers = list(connections), list(layers)
     if len(connections) != len(layers):
         raise InputError(f"run_sites: expected one connection per layer, got {len(connections)} connections and "
@@ -110,12 +111,19 @@ def run_sites(x, connections, layers):
         check_site(x, *parameters, "mhc_site")
         sites.append((parameters, resolve_backend(connection.backend, x)))
     projects = {backend: fused_projection_applies(backend, x) for _, backend in sites}
-    partial = None
-    for i, ((parameters, backend), layer) in enumerate(zip(sites, layers)):
-        following = sites[i + 1] if i + 1 < len(sites) else None
-        chain = following is not None and following[1] == backend and projects[backend]
-        x, partial = _checked_site(x, *parameters, layer, partial, following[0][0] if chain else None, backend)
-    return x
+    if not sites:
+        return x
+    parameters, backend = sites[0]
+    y, post, res, _, _, link = run_pre_forward(x, *parameters, backend, linked=True)
+    for layer, (parameters, following) in zip(layers, sites[1:]):
+        f = layer(y)
+        check_layer_output(x, f, "mhc_site")
+        x, y, post, res, link = run_post_then_pre(x, link, f, post, res, *parameters, backend, following,
+                                                  following == backend and projects[backend])
+        backend = following
+    f = layers[-1](y)
+    check_layer_output(x, f, "mhc_site")
+    return run_post_forward_linked(x, link, f, post, res, backend)[0]
 
 
 class MHCConnection(nn.Module):

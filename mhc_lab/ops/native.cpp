@@ -12,6 +12,8 @@
 //   post_forward(plan, x, f, post, res, phi_next)        -> the next lanes, partial_next
 //   post_backward(plan, x, f, post, res, g)              -> dx, df, dpost, dres
 //   pre(...), post(...)                                   the same forwards, differentiable (torch autograd)
+//   joint(post plans, pre plans, project, x, link, f, post, res, phi, bias, alpha)
+//                                                         a post, then the next site's pre: one autograd node
 //
 // Loading the module also registers these ops as the CUDA kernels of torch.ops.mhc_lab.* (the custom ops of
 // site_ops.py), with an AutogradCUDA kernel that skips Python where no gradient is needed: the end of this file.
@@ -432,9 +434,44 @@ std::vector<Tensor> post_backward(const Plan& p, const Tensor& x, const Tensor& 
 }
 
 // ------------------------------------------------------------------------------------------- autograd
+//
+// Pre (a site's pre), Post (a site's post) and Joint: a post and the next site's pre as one node, the lanes
+// between them its own. A chain of L sites is then L + 1 nodes (a pre, L - 1 joints, a post) instead of 2L, and
+// L + 1 calls from Python: each node costs the autograd engine's bookkeeping and each call a crossing from Python,
+// more host time per site than several kernel launches. pre_gradients and post_gradients are their backwards.
 
 const Plan& plan_of(AutogradContext* ctx, const char* key) {
   return *reinterpret_cast<const Plan*>(ctx->saved_data[key].toInt());
+}
+
+// The pre's gradients (x, phi, bias, alpha) from what its forward saved and the gradients of its outputs y, post,
+// res and link (undefined where unused).
+std::array<Tensor, 4> pre_gradients(const Plan& p, const Tensor& x, const Tensor& phi, const Tensor& bias,
+                                    const Tensor& alpha, const Tensor& pre, const Tensor& partial, const Tensor& res,
+                                    const Tensor& dy_in, const Tensor& dpost_in, const Tensor& dres_in,
+                                    const Tensor& dlink) {
+  const int64_t n = p.n, m = bias.size(0);
+  const Tensor dy = dy_in.defined() ? dy_in : at::zeros(batch_shape(x, {p.C}), x.options());
+  const Tensor dpost = dpost_in.defined() ? dpost_in : at::zeros_like(pre);
+  const Tensor dres = dres_in.defined() ? dres_in : at::zeros(batch_shape(x, {n, n}), pre.options());
+  std::optional<Tensor> dx_post;
+  if (p.add_dx || p.post_grad) {  // the next lanes unused: their gradient is zero
+    dx_post = dlink.defined() ? dlink : at::zeros_like(x);
+  } else {
+    TORCH_CHECK(!dlink.defined(), "mhc_lab native pre: link was used, but the plan has no linked backward");
+  }
+  auto g = pre_backward_impl(p, x, phi, bias, alpha, pre, partial, res, dy, dpost, dres, dx_post, true);
+  // bias's and alpha's gradients: the first m and the next 3 of kernel 1's per-token sums
+  const Tensor dbias = on_storage(g[2], {m}, {1}, at::kFloat), dalpha = on_storage(g[2], {3}, {1}, at::kFloat, 4 * m);
+  return {g[0], g[1], as_dtype(dbias, bias.scalar_type()), as_dtype(dalpha, alpha.scalar_type())};
+}
+
+// The post's gradients (lanes, f, post, res) for the gradient g of its output. Linked with the plan's post_grad,
+// the lanes' gradient is g itself: the pre's kernel 2 forms H_res^T g.
+std::array<Tensor, 4> post_gradients(const Plan& p, bool linked, const Tensor& x, const Tensor& f, const Tensor& post,
+                                     const Tensor& res, const Tensor& g) {
+  auto d = post_backward_impl(p, x, f, post, res, g, true);
+  return {linked && !p.lanes_grad ? g.contiguous() : d[0], d[1], d[2], d[3]};
 }
 
 // The pre of a site. backward_plan: kernel 2 for a pre linked to its post (link's gradient added to dx) or not.
@@ -451,29 +488,15 @@ struct Pre : public torch::autograd::Function<Pre> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Plan& p = plan_of(ctx, "plan");
-    auto saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &phi = saved[1], &bias = saved[2], &alpha = saved[3], &pre = saved[4];
-    const int64_t n = p.n, m = bias.size(0);
-    const Tensor dy = grads[0].defined() ? grads[0] : at::zeros(batch_shape(x, {p.C}), x.options());
-    const Tensor dpost = grads[1].defined() ? grads[1] : at::zeros_like(pre);
-    const Tensor dres = grads[2].defined() ? grads[2] : at::zeros(batch_shape(x, {n, n}), pre.options());
-    std::optional<Tensor> dx_post;
-    if (p.add_dx || p.post_grad) {  // the next lanes unused: their gradient is zero
-      dx_post = grads[5].defined() ? grads[5] : at::zeros_like(x);
-    } else {
-      TORCH_CHECK(!grads[5].defined(), "mhc_lab native pre: link was used, but the plan has no linked backward");
-    }
-    auto g = pre_backward_impl(p, x, phi, bias, alpha, pre, saved[5], saved[6], dy, dpost, dres, dx_post, true);
-    // bias's and alpha's gradients: the first m and the next 3 of kernel 1's per-token sums
-    const Tensor dbias = on_storage(g[2], {m}, {1}, at::kFloat), dalpha = on_storage(g[2], {3}, {1}, at::kFloat, 4 * m);
-    return {Tensor(), Tensor(), g[0], g[1], as_dtype(dbias, bias.scalar_type()),
-            as_dtype(dalpha, alpha.scalar_type()), Tensor()};
+    auto s = ctx->get_saved_variables();
+    auto d = pre_gradients(plan_of(ctx, "plan"), s[0], s[1], s[2], s[3], s[4], s[5], s[6], grads[0], grads[1],
+                           grads[2], grads[5]);
+    return {Tensor(), Tensor(), d[0], d[1], d[2], d[3], Tensor()};
   }
 };
 
-// The post of a site: linked (link from the site's pre stands for H_res x; the lanes' gradient goes back through
-// link, as H_res^T g or, with the plan's post_grad, as g itself for the pre's kernel 2 to finish) or not.
+// The post of a site: linked (link from the site's pre stands for H_res x without holding it; the lanes'
+// gradient goes back through link) or not.
 struct Post : public torch::autograd::Function<Post> {
   static variable_list forward(AutogradContext* ctx, const Plan* forward_plan, const Plan* backward_plan,
                                bool linked, Tensor x, std::optional<Tensor> link, Tensor f, Tensor post, Tensor res,
@@ -488,15 +511,45 @@ struct Post : public torch::autograd::Function<Post> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Tensor& g = grads[0];
-    if (!g.defined()) return variable_list(9);  // the next lanes unused
-    const Plan& p = plan_of(ctx, "plan");
+    if (!grads[0].defined()) return variable_list(9);  // the next lanes unused
     const bool linked = ctx->saved_data["linked"].toBool();
-    auto saved = ctx->get_saved_variables();
-    auto d = post_backward_impl(p, saved[0], saved[1], saved[2], saved[3], g, true);
-    Tensor dlanes = linked && !p.lanes_grad ? g.contiguous() : d[0];
-    return {Tensor(), Tensor(), Tensor(), linked ? Tensor() : dlanes, linked ? dlanes : Tensor(),
-            d[1], d[2], d[3], Tensor()};
+    auto s = ctx->get_saved_variables();
+    auto d = post_gradients(plan_of(ctx, "plan"), linked, s[0], s[1], s[2], s[3], grads[0]);
+    return {Tensor(), Tensor(), Tensor(), linked ? Tensor() : d[0], linked ? d[0] : Tensor(), d[1], d[2], d[3],
+            Tensor()};
+  }
+};
+
+// A linked post on lanes x, then the next site's linked pre (phi, bias, alpha) on the lanes it makes; project:
+// the post projects those lanes with phi while they are on chip, for the pre. Outputs the next lanes, then the
+// pre's y, post, res, pre and link. The next lanes' gradient is the pre's dx (plus theirs, where they are used
+// elsewhere too), which the post's backward takes.
+struct Joint : public torch::autograd::Function<Joint> {
+  static variable_list forward(AutogradContext* ctx, const Plan* post_forward_plan, const Plan* post_backward_plan,
+                               const Plan* pre_forward_plan, const Plan* pre_backward_plan, bool project, Tensor x,
+                               Tensor link, Tensor f, Tensor post, Tensor res, Tensor phi, Tensor bias,
+                               Tensor alpha) {
+    auto lanes = post_forward_impl(*post_forward_plan, x, f, post, res,
+                                   project ? std::optional<Tensor>(phi) : std::nullopt, true);
+    const Tensor &next = lanes[0], &partial = lanes[1];
+    auto out = pre_forward_impl(*pre_forward_plan, next, phi, bias, alpha,
+                                project ? std::optional<Tensor>(partial) : std::nullopt, true);
+    ctx->saved_data["post"] = reinterpret_cast<int64_t>(post_backward_plan);
+    ctx->saved_data["pre"] = reinterpret_cast<int64_t>(pre_backward_plan);
+    ctx->save_for_backward({x, f, post, res, next, phi, bias, alpha, out[3], project ? partial : out[4], out[2]});
+    ctx->mark_non_differentiable({out[3]});
+    ctx->set_materialize_grads(false);
+    return {next, out[0], out[1], out[2], out[3], out[5]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    auto pre = pre_gradients(plan_of(ctx, "pre"), s[4], s[5], s[6], s[7], s[8], s[9], s[10], grads[1], grads[2],
+                             grads[3], grads[5]);
+    const Tensor g = grads[0].defined() ? pre[0] + grads[0] : pre[0];
+    auto post = post_gradients(plan_of(ctx, "post"), true, s[0], s[1], s[2], s[3], g);
+    return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), post[0], post[1], post[2], post[3],
+            pre[1], pre[2], pre[3]};
   }
 };
 
@@ -509,6 +562,14 @@ std::vector<Tensor> post(const Plan& forward_plan, const Plan& backward_plan, bo
                          const std::optional<Tensor>& link, const Tensor& f, const Tensor& post_,
                          const Tensor& res, const std::optional<Tensor>& phi_next) {
   return Post::apply(&forward_plan, &backward_plan, linked, x, link, f, post_, res, phi_next);
+}
+
+std::vector<Tensor> joint(const Plan& post_forward_plan, const Plan& post_backward_plan, const Plan& pre_forward_plan,
+                          const Plan& pre_backward_plan, bool project, const Tensor& x, const Tensor& link,
+                          const Tensor& f, const Tensor& post_, const Tensor& res, const Tensor& phi,
+                          const Tensor& bias, const Tensor& alpha) {
+  return Joint::apply(&post_forward_plan, &post_backward_plan, &pre_forward_plan, &pre_backward_plan, project, x,
+                      link, f, post_, res, phi, bias, alpha);
 }
 
 // ------------------------------------------------------------------------ torch.ops.mhc_lab.* on CUDA
@@ -711,6 +772,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("post_backward", &post_backward);
   m.def("pre", &pre);
   m.def("post", &post);
+  m.def("joint", &joint);
   m.def("connect", &registered::connect,
         "connect(plan_source, implementations, autograd): where the registered CUDA and AutogradCUDA kernels of "
         "torch.ops.mhc_lab.* get their plans, the other backends' implementations and the ops' autograd");
