@@ -763,6 +763,39 @@ def test_chained_sites_match_unchained_sites(monkeypatch, backend, dtype, tol, n
     assert _chained_against_unchained(monkeypatch, backend, dtype, n, C) < tol
 
 
+def test_a_chain_of_mixed_backends_hands_each_pre_its_own_backend(monkeypatch):
+    """run_sites over connections of different backends: each step from a post to the next pre runs the post on
+    its site's backend and the pre on the next site's, unprojected where the two differ; values and gradients as
+    the sites one by one."""
+    from mhc_lab.ops import modules
+
+    layers, connections, x, upstream = _chain_of_sites("kernels", torch.float32, 2, 8)
+    connections[1].backend = "reference"
+    params = [p for c in connections for p in c.parameters()]
+    steps = []
+    real_step = modules.run_post_then_pre
+
+    def step(*args):
+        steps.append(args[-3:])
+        return real_step(*args)
+
+    def grads(run):
+        leaf = x.clone().requires_grad_()
+        out = run(leaf)
+        return (out.detach(), *torch.autograd.grad(out, [leaf, *params], upstream))
+
+    def one_by_one(h):
+        for c, layer in zip(connections, layers):
+            h = c(h, layer)
+        return h
+
+    want = grads(one_by_one)
+    monkeypatch.setattr(modules, "run_post_then_pre", step)
+    got = grads(lambda h: modules.run_sites(h, connections, layers))
+    assert steps == [("kernels", "reference", False), ("reference", "kernels", False)]
+    assert max(_relmax(a, b) for a, b in zip(got, want)) < 1e-5
+
+
 @pytest.mark.skipif(not CUDA, reason="no CUDA GPU: the CUDA kernels run only there")
 @pytest.mark.parametrize("n,C", [(4, 4096), (4, 136), (2, 40), (8, 16), (1, 1000), (3, 1000)])
 def test_cuda_chained_sites_match_unchained_sites(monkeypatch, n, C):
@@ -1380,11 +1413,12 @@ def test_cuda_compiled_stream_runs_the_registered_cuda_kernels(monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("n,C", [(4, 136), (2, 40), (8, 16), (1, 1000)])
+@pytest.mark.parametrize("n,C", [(4, 136), (2, 40), (8, 16), (1, 1000), (2, 36)])
 def test_cuda_native_chain_keeps_the_lanes_leading_dims(n, C):
     """Three chained sites on lanes [2, 37, n, C] through the kernels: native.cpp's ops take and give the lanes'
     leading dims (no view, reshape or expand in the graph: only the C++ nodes, a pre, joints and a post, and the
-    layers') and match the same chain with the reference backend in float64, output and every gradient. The
+    layers') and match the same chain with the reference backend in float64, output and every gradient (at
+    C = 36 the posts do not project for the next pre: rows of 72 bytes). The
     tolerance is bf16's: 2e-2 relative in norm, or twice the error of the reference backend's own chain in bf16
     where that is larger (a parameter's gradient sums 74 tokens' terms that largely cancel: at n = 1 the bf16
     reference misses the pre bias's by 9%)."""
