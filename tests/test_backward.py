@@ -736,19 +736,24 @@ def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
         return h
 
     seen = []
-    real_pre, real_step = modules.run_pre_forward, modules.run_post_then_pre
+    real_pre, real_step_for = modules.run_pre_forward, modules.post_then_pre
 
     def pre(*args, **options):
         seen.append(("pre", len(args) > 5 and args[5] is not None))
         return real_pre(*args, **options)
 
-    def step(*args):
-        seen.append(("post then pre", args[-1]))
-        return real_step(*args)
+    def step_for(x, backend, next_backend, project):
+        real_step = real_step_for(x, backend, next_backend, project)
+
+        def step(*args):
+            seen.append(("post then pre", project))
+            return real_step(*args)
+
+        return step
 
     want = grads(unchained)
     monkeypatch.setattr(modules, "run_pre_forward", pre)
-    monkeypatch.setattr(modules, "run_post_then_pre", step)
+    monkeypatch.setattr(modules, "post_then_pre", step_for)
     got = grads(lambda h: modules.run_sites(h, connections, layers))
     assert seen == [("pre", False), ("post then pre", True), ("post then pre", True)]
     return max(_relmax(a, b) for a, b in zip(got, want))
@@ -773,11 +778,16 @@ def test_a_chain_of_mixed_backends_hands_each_pre_its_own_backend(monkeypatch):
     connections[1].backend = "reference"
     params = [p for c in connections for p in c.parameters()]
     steps = []
-    real_step = modules.run_post_then_pre
+    real_step_for = modules.post_then_pre
 
-    def step(*args):
-        steps.append(args[-3:])
-        return real_step(*args)
+    def step_for(x, *chosen):
+        real_step = real_step_for(x, *chosen)
+
+        def step(*args):
+            steps.append(chosen)
+            return real_step(*args)
+
+        return step
 
     def grads(run):
         leaf = x.clone().requires_grad_()
@@ -790,7 +800,7 @@ def test_a_chain_of_mixed_backends_hands_each_pre_its_own_backend(monkeypatch):
         return h
 
     want = grads(one_by_one)
-    monkeypatch.setattr(modules, "run_post_then_pre", step)
+    monkeypatch.setattr(modules, "post_then_pre", step_for)
     got = grads(lambda h: modules.run_sites(h, connections, layers))
     assert steps == [("kernels", "reference", False), ("reference", "kernels", False)]
     assert max(_relmax(a, b) for a, b in zip(got, want)) < 1e-5

@@ -1054,13 +1054,18 @@ def _stacks_on_cpu(monkeypatch, ran: list, *, tilekernels: bool = True):
         return pre_forward(x, phi, bias, alpha, backend, *rest, **options)
 
     monkeypatch.setattr(modules, "run_pre_forward", spied_pre)
-    post_then_pre = modules.run_post_then_pre
+    step_for = modules.post_then_pre
 
-    def spied_step(*args):  # the post of one site, then the pre of the next (its backend: args[-2])
-        ran.append(f"pre:{args[-2]}")
-        return post_then_pre(*args)
+    def spied_step_for(x, backend, next_backend, project):  # the post of one site, then the pre of the next
+        step = step_for(x, backend, next_backend, project)
 
-    monkeypatch.setattr(modules, "run_post_then_pre", spied_step)
+        def spied_step(*args):
+            ran.append(f"pre:{next_backend}")
+            return step(*args)
+
+        return spied_step
+
+    monkeypatch.setattr(modules, "post_then_pre", spied_step_for)
 
 
 def _stack_section(shapes: list) -> dict:

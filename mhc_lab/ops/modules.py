@@ -24,7 +24,7 @@ from mhc_lab.ops.dispatch import (
     resolve_backend,
 )
 from mhc_lab.ops.forward import _describe
-from mhc_lab.ops.site_ops import run_post_forward, run_post_forward_linked, run_post_then_pre, run_pre_forward
+from mhc_lab.ops.site_ops import run_post_forward, post_then_pre, run_post_forward_linked, run_pre_forward
 from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes
 from mhc_lab.reference.mhc import mhc_identity_init
 from mhc_lab.reference.validate import InputError, require_lanes, require_positive_int, require_tensor
@@ -96,7 +96,7 @@ def _checked_site(x, phi, bias, alpha, layer, partial, next_phi, backend: str):
 
 def run_sites(x, connections, layers):
     """x through a chain of MHCConnections, each around its layer. Each post and the next site's pre run as one
-    step (site_ops.run_post_then_pre: on CUDA one autograd node), and the post projects its lanes for that pre
+    step (site_ops.post_then_pre: on CUDA one autograd node), and the post projects its lanes for that pre
     where both run the same backend and the projection applies (fused_projection_applies), so inside the chain
     the lanes are read once per site, not twice. Every connection's parameters are checked against x before the
     first site runs (the lanes keep x's shape from site to site)."""
@@ -115,11 +115,15 @@ def run_sites(x, connections, layers):
         return x
     parameters, backend = sites[0]
     y, post, res, _, _, link = run_pre_forward(x, *parameters, backend, linked=True)
+    steps = {}  # (backend, next backend) -> the step from a post to the next pre (site_ops.post_then_pre)
     for layer, (parameters, following) in zip(layers, sites[1:]):
         f = layer(y)
         check_layer_output(x, f, "mhc_site")
-        x, y, post, res, link = run_post_then_pre(x, link, f, post, res, *parameters, backend, following,
-                                                  following == backend and projects[backend])
+        step = steps.get((backend, following))
+        if step is None:
+            step = steps[backend, following] = post_then_pre(x, backend, following,
+                                                             following == backend and projects[backend])
+        x, y, post, res, link = step(x, link, f, post, res, *parameters)
         backend = following
     f = layers[-1](y)
     check_layer_output(x, f, "mhc_site")

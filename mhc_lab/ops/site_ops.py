@@ -657,19 +657,28 @@ def run_post_forward_linked(x, link, f, post, res, backend: str, phi_next=None):
     return out.view(x.shape), partial
 
 
-def run_post_then_pre(x, link, f, post, res, phi, bias, alpha, backend: str, next_backend: str, project: bool):
-    """A chain's step from one site to the next: the linked post on lanes x [..., n, C] (backend), then the next
-    site's linked pre (phi, bias, alpha; next_backend) on the lanes it makes. project: the post projects those
-    lanes with phi for the pre (same backend, fused_projection_applies). Returns the next lanes and the pre's y,
-    post, res and link. Eagerly on CUDA with the kernels backend, one autograd node and one call into native.cpp
-    (its Joint); elsewhere run_post_forward_linked, then run_pre_forward."""
+def post_then_pre(x, backend: str, next_backend: str, project: bool):
+    """A chain's step from one site to the next on lanes like x [..., n, C], chosen once per chain:
+    step(x, link, f, post, res, phi, bias, alpha) runs the linked post (backend), then the next site's linked pre
+    (phi, bias, alpha; next_backend) on the lanes it makes, and returns those lanes and the pre's y, post, res and
+    link. project: the post projects its lanes with phi for the pre (same backend, fused_projection_applies).
+    Eagerly on CUDA with the kernels backend, the step is one call into native.cpp and one autograd node (its
+    Joint), its plans looked up here; elsewhere run_post_forward_linked, then run_pre_forward."""
     if backend == next_backend and _native(x, backend) and not as_ops():
         post_grad = post_gradient_to_pre_for(x, backend)
-        plans = (*_plan(x, "post", True, project, post_grad), *_plan(x, "pre", project, True, post_grad))
-        lanes, y, post, res, _, link = native.extension().joint(*plans, project, x, link, f, post, res, phi, bias,
-                                                                 alpha)
+        plans = (*_plan(x, "post", True, project, post_grad), *_plan(x, "pre", project, True, post_grad), project)
+        joint = native.extension().joint
+
+        def native_step(x, link, f, post, res, phi, bias, alpha):
+            lanes, y, post, res, _, link = joint(*plans, x, link, f, post, res, phi, bias, alpha)
+            return lanes, y, post, res, link
+
+        return native_step
+
+    def step(x, link, f, post, res, phi, bias, alpha):
+        lanes, partial = run_post_forward_linked(x, link, f, post, res, backend, phi if project else None)
+        y, post, res, _, _, link = run_pre_forward(lanes, phi, bias, alpha, next_backend,
+                                                   partial if project else None, linked=True)
         return lanes, y, post, res, link
-    lanes, partial = run_post_forward_linked(x, link, f, post, res, backend, phi if project else None)
-    y, post, res, _, _, link = run_pre_forward(lanes, phi, bias, alpha, next_backend, partial if project else None,
-                                               linked=True)
-    return lanes, y, post, res, link
+
+    return step
