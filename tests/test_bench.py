@@ -213,6 +213,21 @@ def test_warm_covers_the_widths_the_timed_runs_use():
     assert {C for _, C in common.SHAPES} | set(training.BLOCK_WIDTHS) <= set(warm.WIDTHS)
 
 
+def test_warm_runs_every_process_and_names_the_failed_ones_last(tmp_path, capsys):
+    """run_processes runs each process with its log, two at a time here, and ends its output with the failed ones,
+    so that an output cut to its last lines still names every failure."""
+    todo = [(f"p{k}", ["-c", f"import sys; print('process {k}'); sys.exit({k % 2})"], f"process {k}")
+            for k in range(5)]
+    failed = warm.run_processes(todo, 2, str(tmp_path))
+    assert failed == ["process 1", "process 3"]
+    logs = sorted(p.name for p in tmp_path.iterdir())
+    assert logs == [f"{k:02d}-p{k}.log" for k in range(5)]
+    assert (tmp_path / "03-p3.log").read_text().strip() == "process 3"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3].endswith(": 3 passed, 2 failed") and lines[-2:] == ["  failed: process 1", "  failed: process 3"]
+    assert sum(line.startswith("ok: process") for line in lines) == 3
+
+
 def test_warm_reports_the_end_of_a_failed_log(tmp_path):
     log = tmp_path / "00-training.log"
     log.write_text("".join(f"line {k}\n" for k in range(50)))

@@ -10,7 +10,7 @@ at 64 tokens, in parallel processes, without saving anything, so that the kernel
 token count) are compiled side by side on the machine's cores and the timed runs that follow load them from
 the cache. On the course's 16-core H200 machine the compile phase takes about 80 s this way instead of about
 5 minutes. Each process's output goes to --logs; the command prints one line per
-process (with the end of the log of any that failed) and fails if one did.
+process (with the end of the log of any that failed), last the failed ones again, and fails if one did.
 
 --tests EXPR adds the tests that pytest's -k EXPR selects, each in a process of its own in the same pool: a
 CUDA test compiles the kernels of its own shapes, so a pytest process that runs them one after another spends
@@ -75,28 +75,37 @@ def main(argv=None) -> int:
             for line in commands(int(c) for c in args.widths.split(",") if c)]
     if args.tests:
         todo += [("test", line, line[-1]) for line in selected_test_commands(args.tests)]
-    running, status, t0 = [], 0, time.time()
+    failed = run_processes(todo, args.jobs, args.logs)
+    return int(bool(failed))
+
+
+def run_processes(todo, jobs: int, logs: str) -> list[str]:
+    """Run each (label, python arguments, shown) of todo as a python process, ``jobs`` at once, its output in a
+    log of its own under logs; print a line per process as it ends (a failed one with the end of its log), and
+    last the failed ones again, which a truncated output keeps. Returns the failed ones' shown names."""
+    running, failed, t0 = [], [], time.time()
 
     def finish(job):
-        nonlocal status
         proc, shown, log = job
         code = proc.wait()
         log.close()
-        status |= int(code != 0)
         print(f"{'ok' if code == 0 else f'FAILED ({code})'}: {shown}  ({time.time() - t0:.0f} s)")
         if code != 0:
+            failed.append(shown)
             print(failure_report(log.name), flush=True)
 
     for k, (label, line, shown) in enumerate(todo):
-        while len(running) >= max(1, args.jobs):
+        while len(running) >= max(1, jobs):
             finish(running.pop(0))
-        log = open(os.path.join(args.logs, f"{k:02d}-{label}.log"), "w")
+        log = open(os.path.join(logs, f"{k:02d}-{label}.log"), "w")
         proc = subprocess.Popen([sys.executable, *line], stdout=log, stderr=subprocess.STDOUT)
         running.append((proc, shown, log))
     for job in running:
         finish(job)
-    print(f"done in {time.time() - t0:.0f} s")
-    return status
+    print(f"done in {time.time() - t0:.0f} s: {len(todo) - len(failed)} passed, {len(failed)} failed")
+    for shown in failed:
+        print(f"  failed: {shown}")
+    return failed
 
 
 if __name__ == "__main__":
