@@ -1079,7 +1079,7 @@ def test_ops_refuse_bad_input_clearly():
 
 def test_ops_name_transposed_lanes():
     """Lanes passed as [..., C, n] to the ops: the error names x (phi's n^2+2n rows say n), not phi."""
-    from mhc_lab.ops import MHCConnection, mhc_pre as op_pre, mhc_site as op_site
+    from mhc_lab.ops import MHCConnection, mhc_pre as op_pre, mhc_site as op_site, run_sites
 
     x, phi, bias, alpha, _ = _site_inputs((3,), 4, 8)
     swapped = x.transpose(-2, -1)
@@ -1097,6 +1097,8 @@ def test_ops_name_transposed_lanes():
         op_pre(x, phi[:, :8], bias, alpha)  # phi wrong in both layouts: still phi's error
     with pytest.raises(InputError, match=r"expected n = 4 lanes in dim -2 .*lanes \[\.\.\., C, n\]\?"):
         MHCConnection(4, 8)(swapped.float(), torch.tanh)
+    with pytest.raises(InputError, match=r"expected n = 4 lanes in dim -2 .*lanes \[\.\.\., C, n\]\?"):
+        run_sites(swapped.float(), [MHCConnection(4, 8)], [torch.tanh])
     y, _, _ = op_pre(x, phi, bias, alpha)  # the right layout still runs
     assert y.shape == (3, 8)
 

@@ -105,12 +105,14 @@ def run_sites(x, connections, layers):
         raise InputError(f"run_sites: expected one connection per layer, got {len(connections)} connections and "
                          f"{len(layers)} layers")
     sites = []
+    n, _ = require_lanes("x", x)
     for connection in connections:
-        require_lanes("x", x, n=connection.n)
+        if connection.n != n:
+            require_lanes("x", x, n=connection.n)  # refuses x, naming the dims
         parameters = connection.phi, connection.bias, connection.alpha
         check_site(x, *parameters, "mhc_site")
         sites.append((parameters, resolve_backend(connection.backend, x)))
-    projects = {backend: fused_projection_applies(backend, x) for _, backend in sites}
+    projects = {backend: fused_projection_applies(backend, x) for backend in {backend for _, backend in sites}}
     if not sites:
         return x
     parameters, backend = sites[0]
