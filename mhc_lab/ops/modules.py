@@ -24,7 +24,7 @@ from mhc_lab.ops.dispatch import (
     resolve_backend,
 )
 from mhc_lab.ops.forward import _describe
-from mhc_lab.ops.site_ops import run_post_forward, post_then_pre, run_post_forward_linked, run_pre_forward
+from mhc_lab.ops.site_ops import post_then_pre, run_post_forward, run_post_forward_linked, run_pre_forward
 from mhc_lab.reference.hyper_connections import collapse_lanes, expand_lanes
 from mhc_lab.reference.mhc import mhc_identity_init
 from mhc_lab.reference.validate import InputError, require_lanes, require_positive_int, require_tensor
