@@ -1484,6 +1484,22 @@ def test_native_ops_refuse_lanes_off_the_gpu():
         ext.post_forward(plan, x.bfloat16(), f.bfloat16(), torch.ones(3, 4), torch.ones(3, 4, 4), None)
 
 
+def test_a_chains_native_step_hands_the_joint_its_arguments_in_order(monkeypatch):
+    """site_ops.post_then_pre's native step calls native.cpp's joint with the four plans, project and the eight
+    tensors as its binding takes them: on CPU lanes it gets through the binding to the post's refusal by name."""
+    from mhc_lab.ops import native, site_ops
+
+    plan = native.extension().Plan()
+    plan.n, plan.C = 4, 8
+    monkeypatch.setattr(site_ops, "_native", lambda x, backend: True)
+    monkeypatch.setattr(site_ops, "_plan", lambda x, op, *flags: (plan, plan))
+    x, phi, bias, alpha, f = _site_inputs((3,), 4, 8)
+    x, f = x.bfloat16(), f.bfloat16()
+    step = site_ops.post_then_pre(x, "kernels", "kernels", True)
+    with pytest.raises(RuntimeError, match=r"post_forward: x: expected bfloat16 lanes \[\.\.\., n, C\] on a CUDA"):
+        step(x, x, f, torch.ones(3, 4), torch.ones(3, 4, 4), phi, bias, alpha)
+
+
 class _LanesOnAGpu:
     """Stands for bf16 lanes [T, n, C] on GPU 0 where the plans ask only for their shape and device (without a
     GPU, dispatch takes the default build's facts, sm_90)."""
