@@ -717,45 +717,62 @@ def _chain_of_sites(backend, dtype, n, C, device="cpu"):
     return layers, connections, x, upstream
 
 
+def _outputs_and_gradients(run, x, connections, upstream):
+    """run(lanes) on a fresh leaf copy of x: its output and the gradients of the lanes and every parameter."""
+    params = [p for c in connections for p in c.parameters()]
+    leaf = x.clone().requires_grad_()
+    out = run(leaf)
+    return (out.detach(), *torch.autograd.grad(out, [leaf, *params], upstream))
+
+
+def _one_by_one(connections, layers):
+    """The sites one by one (each MHCConnection around its layer, projecting for itself): a function of lanes."""
+    def run(h):
+        for c, layer in zip(connections, layers):
+            h = c(h, layer)
+        return h
+
+    return run
+
+
+def _spy_on_steps(monkeypatch, seen: list) -> None:
+    """modules.post_then_pre, each step it chooses recording ("post then pre", backend, next backend, project)
+    in seen whenever it runs."""
+    from mhc_lab.ops import modules
+
+    real_step_for = modules.post_then_pre
+
+    def step_for(x, *chosen):
+        real_step = real_step_for(x, *chosen)
+
+        def step(*args):
+            seen.append(("post then pre", *chosen))
+            return real_step(*args)
+
+        return step
+
+    monkeypatch.setattr(modules, "post_then_pre", step_for)
+
+
 def _chained_against_unchained(monkeypatch, backend, dtype, n, C, device="cpu"):
     """run_sites against sites that each project for themselves: the largest relative difference over the
     output and every gradient; asserts that the first pre projected for itself and every post for the next pre."""
     from mhc_lab.ops import modules
 
     layers, connections, x, upstream = _chain_of_sites(backend, dtype, n, C, device)
-    params = [p for c in connections for p in c.parameters()]
-
-    def grads(run):
-        leaf = x.clone().requires_grad_()
-        out = run(leaf)
-        return (out.detach(), *torch.autograd.grad(out, [leaf, *params], upstream))
-
-    def unchained(h):
-        for c, layer in zip(connections, layers):
-            h = c(h, layer)
-        return h
-
     seen = []
-    real_pre, real_step_for = modules.run_pre_forward, modules.post_then_pre
+    real_pre = modules.run_pre_forward
 
     def pre(*args, **options):
         seen.append(("pre", len(args) > 5 and args[5] is not None))
         return real_pre(*args, **options)
 
-    def step_for(x, backend, next_backend, project):
-        real_step = real_step_for(x, backend, next_backend, project)
-
-        def step(*args):
-            seen.append(("post then pre", project))
-            return real_step(*args)
-
-        return step
-
-    want = grads(unchained)
+    want = _outputs_and_gradients(_one_by_one(connections, layers), x, connections, upstream)
     monkeypatch.setattr(modules, "run_pre_forward", pre)
-    monkeypatch.setattr(modules, "post_then_pre", step_for)
-    got = grads(lambda h: modules.run_sites(h, connections, layers))
-    assert seen == [("pre", False), ("post then pre", True), ("post then pre", True)]
+    _spy_on_steps(monkeypatch, seen)
+    got = _outputs_and_gradients(lambda h: modules.run_sites(h, connections, layers), x, connections, upstream)
+    step = ("post then pre", backend, backend, True)
+    assert seen == [("pre", False), step, step]
     return max(_relmax(a, b) for a, b in zip(got, want))
 
 
@@ -776,33 +793,12 @@ def test_a_chain_of_mixed_backends_hands_each_pre_its_own_backend(monkeypatch):
 
     layers, connections, x, upstream = _chain_of_sites("kernels", torch.float32, 2, 8)
     connections[1].backend = "reference"
-    params = [p for c in connections for p in c.parameters()]
     steps = []
-    real_step_for = modules.post_then_pre
-
-    def step_for(x, *chosen):
-        real_step = real_step_for(x, *chosen)
-
-        def step(*args):
-            steps.append(chosen)
-            return real_step(*args)
-
-        return step
-
-    def grads(run):
-        leaf = x.clone().requires_grad_()
-        out = run(leaf)
-        return (out.detach(), *torch.autograd.grad(out, [leaf, *params], upstream))
-
-    def one_by_one(h):
-        for c, layer in zip(connections, layers):
-            h = c(h, layer)
-        return h
-
-    want = grads(one_by_one)
-    monkeypatch.setattr(modules, "post_then_pre", step_for)
-    got = grads(lambda h: modules.run_sites(h, connections, layers))
-    assert steps == [("kernels", "reference", False), ("reference", "kernels", False)]
+    want = _outputs_and_gradients(_one_by_one(connections, layers), x, connections, upstream)
+    _spy_on_steps(monkeypatch, steps)
+    got = _outputs_and_gradients(lambda h: modules.run_sites(h, connections, layers), x, connections, upstream)
+    assert steps == [("post then pre", "kernels", "reference", False),
+                     ("post then pre", "reference", "kernels", False)]
     assert max(_relmax(a, b) for a, b in zip(got, want)) < 1e-5
 
 

@@ -112,9 +112,9 @@ def run_sites(x, connections, layers):
         parameters = connection.phi, connection.bias, connection.alpha
         check_site(x, *parameters, "mhc_site")
         sites.append((parameters, resolve_backend(connection.backend, x)))
-    projects = {backend: fused_projection_applies(backend, x) for backend in {backend for _, backend in sites}}
     if not sites:
         return x
+    projects = {backend: fused_projection_applies(backend, x) for backend in {backend for _, backend in sites}}
     parameters, backend = sites[0]
     y, post, res, _, _, link = run_pre_forward(x, *parameters, backend, linked=True)
     steps = {}  # (backend, next backend) -> the step from a post to the next pre (site_ops.post_then_pre)
