@@ -1391,6 +1391,49 @@ def test_stack_benchmark_records_a_failed_host_profile_and_keeps_the_timings(mon
     assert validate(_stack_section([out]), TRAINING_STACK) == []
 
 
+def test_stack_benchmark_profiles_the_host_of_the_compiled_stream_apart(monkeypatch):
+    """Where the fused stream is measured under torch.compile too, its host profile is recorded under
+    'host_compiled', from the compiled kind's own steps (a stand-in torch.compile marks them), beside the eager
+    stream's under 'host'; each compiled kind gets torch.compile's mode; the section validates against its
+    schema."""
+    from mhc_lab.measure.schemas import TRAINING_STACK, validate
+
+    ran, compiled_with = [], {}
+    _stacks_on_cpu(monkeypatch, ran)
+    _, bench = _stack_timers(monkeypatch, ran)
+
+    def compile(model, **kwargs):
+        compiled_with[model.kind] = compiled_with.get(model.kind, []) + [kwargs]
+
+        def compiled(*args):
+            ran.append(f"compiled:{kwargs.get('mode', 'default')}")
+            return model(*args)
+        return compiled
+
+    real_profile, profiled = bs.host_profile, []
+
+    def host_profile(step, steps, **kwargs):
+        ran.clear()
+        result = real_profile(step, steps, **kwargs)
+        profiled.append(set(ran))
+        return result
+
+    monkeypatch.setattr(bs.torch, "compile", compile)
+    monkeypatch.setattr(bs, "host_profile", host_profile)
+    out = bs.bench_stack(64, 8, bench, layers=2, rounds=1, log=lambda line: None,
+                         kinds=("residual", "mhc_kernels", "residual_compiled", "mhc_kernels_compiled"))
+    assert out["errors"] == {}
+    assert profiled == [{"forward:mhc_kernels", "pre:kernels"},
+                        {"compiled:default", "forward:mhc_kernels", "pre:kernels"}]
+    for key in ("host", "host_compiled"):
+        assert out[key]["steps"] == out["steps_per_timing"][bs.HOST_PROFILES[key]] and out[key]["own_us"] > 0
+    assert validate(_stack_section([out]), TRAINING_STACK) == []
+    assert compiled_with == {"residual": [{"mode": "default"}], "mhc_kernels": [{"mode": "default"}]}
+    compiled_with.clear()
+    bs.stack_step(64, 8, "mhc_kernels_reduce_overhead", layers=2)
+    assert compiled_with == {"mhc_kernels": [{"mode": "reduce-overhead"}]}
+
+
 def test_compiled_stack_kinds_name_their_mode_and_are_compared_with_the_plain_residual_run_alike():
     assert bs.compile_mode("mhc_kernels_reduce_overhead") == ("mhc_kernels", "reduce-overhead")
     assert bs.compile_mode("residual_compiled") == ("residual", "default")

@@ -445,6 +445,22 @@ HOST_FUNCTION = obj("One Python function (cProfile).", required={
     "calls": number("Calls per step."),
     "function": text("Where: path:line(function), or the name of a built-in."),
 })
+def _stack_host_profile(kind: str) -> Spec:
+    return obj(f"Where the fused stream's ({kind}) host time goes, over steps_per_timing steps. cProfile follows "
+               "the autograd engine's device thread, where the backward's Python runs, on Python 3.12 and later; "
+               "on earlier Pythons that time is run_backward's own.", required={
+                   "steps": integer("Steps timed and profiled."),
+                   "forward_ms": number("Wall time per step of the forward with the loss, launched, ms."),
+                   "backward_ms": number("Wall time per step of the backward call, launched, ms."),
+                   "profiled_ms": number("Wall time per step under cProfile, ms (its own cost included)."),
+                   "own_us": number("The profiled functions' own time per step in all, microseconds."),
+                   "by_own_time": array("The functions with the most own time per step, the most first.",
+                                        HOST_FUNCTION),
+                   "by_cumulative_time": array("The functions with the most cumulative time per step, the most "
+                                               "first.", HOST_FUNCTION),
+               }, optional={"events": HOST_EVENTS})
+
+
 TRAINING_STACK = _section(
     "A stack of pre-norm MLP layers trained one step at a time, as a user's loop does, per shape (part 'stack').",
     required={
@@ -503,19 +519,8 @@ TRAINING_STACK = _section(
                 "graph_breaks": integer("Graph breaks."), "recompiles": integer("Recompilations."),
                 "unique_graphs": integer("Graphs compiled (one per compiled kind when nothing breaks)."),
             }),
-            "host": obj("Where the fused stream's (mhc_kernels) host time goes, over steps_per_timing steps. "
-                        "cProfile follows the autograd engine's device thread, where the backward's Python runs, "
-                        "on Python 3.12 and later; on earlier Pythons that time is run_backward's own.", required={
-                "steps": integer("Steps timed and profiled."),
-                "forward_ms": number("Wall time per step of the forward with the loss, launched, ms."),
-                "backward_ms": number("Wall time per step of the backward call, launched, ms."),
-                "profiled_ms": number("Wall time per step under cProfile, ms (its own cost included)."),
-                "own_us": number("The profiled functions' own time per step in all, microseconds."),
-                "by_own_time": array("The functions with the most own time per step, the most first.",
-                                     HOST_FUNCTION),
-                "by_cumulative_time": array("The functions with the most cumulative time per step, the most first.",
-                                            HOST_FUNCTION),
-            }, optional={"events": HOST_EVENTS}),
+            "host": _stack_host_profile("mhc_kernels"),
+            "host_compiled": _stack_host_profile("mhc_kernels_compiled, where measured"),
         })),
     })
 DEEPSEEK_V4_KINDS = ("unpatched", "patched")
