@@ -201,3 +201,52 @@ def test_the_host_of_a_tiny_reference_stack_is_profiled_on_the_cpu():
     assert not any("step_time.py" in row["function"] for row in profile["functions"])
     text = step_time.cpu_host_table(profile)
     assert "by cumulative time" in text and "by own time" in text
+
+
+def test_the_live_stack_times_each_kind_and_replays_only_the_uncompiled_ones(monkeypatch):
+    """measure_stack_live with stand-ins for the GPU's clocks: every kind is timed launched and profiled on its
+    own step; the eager kinds are replayed as CUDA graphs, the compiled ones are not (Dynamo told to keep a graph
+    per stack first); a kind that fails is listed in its shape's errors and the others are still measured; the
+    table shows them."""
+    import torch
+
+    import mhc_lab.bench.common as common
+    import mhc_lab.bench.host as host
+    import mhc_lab.bench.kernels as kernels
+    import mhc_lab.bench.stack as stack
+
+    built, replayed, told = [], [], []
+
+    def stack_step(width, tokens, kind, layers):
+        if kind == "mhc_reference":
+            raise RuntimeError("out of memory")
+        step = lambda: None  # noqa: E731 - a stand-in step
+        step.kind = kind
+        built.append((tokens, width, kind, layers))
+        return step
+
+    def graph_replay(step):
+        replayed.append(step.kind)
+        replay = lambda: None  # noqa: E731
+        replay.kind, replay.graphed = step.kind, True
+        return replay
+
+    times = {"residual": 2.0, "mhc_kernels": 3.0, "mhc_kernels_compiled": 2.5, "residual_compiled": 1.5}
+    monkeypatch.setattr(stack, "stack_step", stack_step)
+    monkeypatch.setattr(stack, "compile_every_stack", lambda: told.append(True))
+    monkeypatch.setattr(common, "graph_replay", graph_replay)
+    monkeypatch.setattr(host, "wall_ms", lambda fn, steps: times[fn.kind] / (2 if hasattr(fn, "graphed") else 1))
+    monkeypatch.setattr(kernels, "kernel_times", lambda step: {f"k {step.kind}": (times[step.kind] / 3, 10.0)})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a stand-in GPU")
+    kinds = ("residual", "mhc_kernels", "mhc_reference", "residual_compiled", "mhc_kernels_compiled")
+    live = step_time.measure_stack_live([(64, 32)], kinds=kinds, layers=2, steps=3, log=lambda line: None)
+    (shape,) = live["stack"]["shapes"]
+    assert told == [True] and [b[2] for b in built] == ["residual", "mhc_kernels", "residual_compiled",
+                                                        "mhc_kernels_compiled"]
+    assert replayed == ["residual", "mhc_kernels"] and shape["graph_ms"] == {"residual": 1.0, "mhc_kernels": 1.5}
+    assert shape["launched_ms"] == {k: times[k] for k in times} and shape["kernels_per_step"]["mhc_kernels"] == 10
+    assert shape["errors"] == {"mhc_reference": "RuntimeError: out of memory"}
+    text = step_time.stack_table(live["stack"])
+    assert "mHC, fused kernels, compiled" in text and "1.67x" in text  # 2.5 ms over the compiled plain 1.5 ms

@@ -156,7 +156,7 @@ def host_profile(step, steps: int, *, top: int = TOP) -> dict:
             **python_profile(step, steps, top=top), "events": event_profile(step, steps, top=top)}
 
 
-def _compile_every_stack() -> None:
+def compile_every_stack() -> None:
     """Every compiled kind compiles the same Stack.forward for a module of its own: let Dynamo keep a compiled
     graph for each (by default it stops compiling a function after 8) so that none falls back to eager."""
     import torch._dynamo
@@ -185,7 +185,7 @@ def bench_stack(width: int, tokens: int, bench, *, layers: int = 8, n: int = N, 
     from torch._dynamo.utils import counters
 
     if set(kinds) & set(COMPILED_KINDS):
-        _compile_every_stack()
+        compile_every_stack()
         counters.clear()
     out = {"tokens": tokens, "C": width, "n": n, "layers": layers, "hidden": 4 * width, "steps_per_timing": {},
            "launched_ms": {}, "launched_rounds_ms": {}, "gpu_ms": {}, "kernels_per_step": {}, "kernels": {},
