@@ -1178,6 +1178,20 @@ def _stack_timers(monkeypatch, ran: list, *, failing_capture=(), broken_replay=(
     return calls, bench
 
 
+def _spy_on_host_profile(monkeypatch, ran: list) -> list:
+    """bench_stack's host_profile, each call recording (steps, what ran) in the list returned."""
+    real_profile, profiled = bs.host_profile, []
+
+    def host_profile(step, steps, **kwargs):
+        ran.clear()
+        result = real_profile(step, steps, **kwargs)
+        profiled.append((steps, set(ran)))
+        return result
+
+    monkeypatch.setattr(bs, "host_profile", host_profile)
+    return profiled
+
+
 def test_stack_benchmark_times_each_kind_on_calls_of_its_own_step(monkeypatch):
     """bench_stack on the CPU (our kernels through the C target, TileKernels' ops from the reference, stand-ins
     for the wall clock, the profiler, the graphs and their timer): every figure of a kind comes from a call that
@@ -1189,15 +1203,7 @@ def test_stack_benchmark_times_each_kind_on_calls_of_its_own_step(monkeypatch):
     ran = []
     _stacks_on_cpu(monkeypatch, ran)
     calls, bench = _stack_timers(monkeypatch, ran)
-    real_profile, profiled = bs.host_profile, []
-
-    def host_profile(step, steps, **kwargs):
-        ran.clear()
-        result = real_profile(step, steps, **kwargs)
-        profiled.append((steps, set(ran)))
-        return result
-
-    monkeypatch.setattr(bs, "host_profile", host_profile)
+    profiled = _spy_on_host_profile(monkeypatch, ran)
     lines = []
     out = bs.bench_stack(64, 8, bench, layers=2, rounds=3, log=lines.append)
     kinds = list(bs.STACK_KINDS)
@@ -1410,21 +1416,14 @@ def test_stack_benchmark_profiles_the_host_of_the_compiled_stream_apart(monkeypa
             return model(*args)
         return compiled
 
-    real_profile, profiled = bs.host_profile, []
-
-    def host_profile(step, steps, **kwargs):
-        ran.clear()
-        result = real_profile(step, steps, **kwargs)
-        profiled.append(set(ran))
-        return result
-
     monkeypatch.setattr(bs.torch, "compile", compile)
-    monkeypatch.setattr(bs, "host_profile", host_profile)
+    profiled = _spy_on_host_profile(monkeypatch, ran)
     out = bs.bench_stack(64, 8, bench, layers=2, rounds=1, log=lambda line: None,
                          kinds=("residual", "mhc_kernels", "residual_compiled", "mhc_kernels_compiled"))
     assert out["errors"] == {}
-    assert profiled == [{"forward:mhc_kernels", "pre:kernels"},
-                        {"compiled:default", "forward:mhc_kernels", "pre:kernels"}]
+    assert profiled == [(out["steps_per_timing"]["mhc_kernels"], {"forward:mhc_kernels", "pre:kernels"}),
+                        (out["steps_per_timing"]["mhc_kernels_compiled"],
+                         {"compiled:default", "forward:mhc_kernels", "pre:kernels"})]
     for key in ("host", "host_compiled"):
         assert out[key]["steps"] == out["steps_per_timing"][bs.HOST_PROFILES[key]] and out[key]["own_us"] > 0
     assert validate(_stack_section([out]), TRAINING_STACK) == []

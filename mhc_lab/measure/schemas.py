@@ -513,8 +513,9 @@ TRAINING_STACK = _section(
             "errors": table("Why a kind, its graph or its host profile has no figures (key: the kind, or it and "
                             "'.graph' or '.host').", text("The reason.")),
         }, optional={
-            "environment": ENVIRONMENT,  # of the run that measured this shape: a run of part 'stack' replaces
-            "command": text("The command that measured this shape."),  # the shapes it measures, keeps the others
+            # a run of part 'stack' replaces the shapes it measures and keeps the others: each says what made it
+            "environment": ENVIRONMENT,
+            "command": text("The command that measured this shape."),
             "first_step_s": table("Each kind's first step, s: the kernels' build where not cached, and a compiled "
                                   "kind's compilation.", number("Seconds."), STACK_ALL_KINDS),
             "dynamo": obj("torch.compile's counters over the compiled kinds of this shape.", required={
