@@ -25,6 +25,10 @@ Parts, each a section of mhc_lab/recorded/training_h200.json (a run of some part
   graphs in --stack-rounds interleaved rounds, the kernels' GPU time and count, the ratios to the plain residual,
   and where the fused stream's host time goes (cProfile). A run replaces the shapes it measures in the section
   and keeps the others; each shape carries the environment and command that made it.
+- peers (mhc_lab.bench.peers, not a default part): one site per shape beside the fused implementations of
+  TileKernels (2.x kernels), Liger-Kernel and TransformerEngine, each in its own layout on the same numbers:
+  errors against a float64 site, forward and forward + backward launched and as CUDA graphs (the graphs again
+  in --graph-rounds interleaved rounds), the share of the copy floor each reaches, and each peer's version.
 - deepseek_v4 (mhc_lab.bench.deepseek_v4, not a default part): one training step of a small random DeepSeek-V4
   from transformers (--deepseek-v4-shapes TOKENSxHIDDEN, --deepseek-v4-layers), as transformers runs it and with
   its mHC sites run by mhc_lab.ops (use_mhc_lab), on the same weights and tokens: the step, the forward with
@@ -53,7 +57,7 @@ from mhc_lab.bench.stack import ALL_KINDS, LAUNCHED_TIMER, LOSS, STACK_KINDS, ST
 from mhc_lab.measure import bench_command, environment_tags, recorded_or_none
 
 RECORDING = "training_h200"
-PARTS = ("site", "block", "block_kernels", "host", "portable", "stack", "deepseek_v4")
+PARTS = ("site", "block", "block_kernels", "host", "portable", "stack", "peers", "deepseek_v4")
 DEFAULT_PARTS = ("site", "block", "block_kernels")
 CPU_PARTS = ("deepseek_v4",)  # the parts that also run on a CPU
 BLOCK_WIDTHS = (2560, 4096)
@@ -209,6 +213,14 @@ def main(argv=None) -> int:
             shape = bench_stack(C, tokens, bench, layers=args.stack_layers, kinds=kinds, rounds=args.stack_rounds)
             sections["stack"]["shapes"] = sorted(sections["stack"]["shapes"] + [{**shape, **made}],
                                                  key=lambda s: (s["C"], s["tokens"]))
+            save(final=False)
+            torch.cuda.empty_cache()
+    if "peers" in parts:
+        from mhc_lab.bench.peers import bench_peers, peer_versions
+
+        sections["peers"] = {**setup, "sinkhorn_iterations": 20, "versions": peer_versions(), "shapes": []}
+        for tokens, C in parse_shapes(args.shapes):
+            sections["peers"]["shapes"].append(bench_peers(tokens, C, bench, copy, rounds=args.graph_rounds))
             save(final=False)
             torch.cuda.empty_cache()
     if "deepseek_v4" in parts:

@@ -604,9 +604,35 @@ TRAINING_DEEPSEEK_V4 = _section(
             }),
         })),
     })
+PEERS = ("ours", "tilekernels", "liger", "transformer_engine")
+PEER_PASSES = ("forward", "forward_backward")
+_PER_PASS = lambda doc, value: table(doc, value, PEER_PASSES)  # noqa: E731
+TRAINING_PEERS = _section("One site beside the fused implementations of other libraries (part 'peers').", required={
+    **SITE_SETUP,
+    "versions": table("Each peer's installed package version (null where it is not installed).",
+                      text("Version.", nullable=True), PEERS[1:]),
+    "shapes": array("One entry per shape.", obj("One shape, the same numbers for every implementation.", required={
+        "tokens": integer("Tokens."), "C": integer("Width."), "n": integer("Lanes."),
+        "least_bytes": _PER_PASS("Bytes the fewest-bytes plan of a site moves (bytes_model's mhc_minimal).",
+                                 integer("Bytes.")),
+        "rel_err": table("Relative errors against the float64 site: the output and each gradient, in our "
+                         "convention.", table("Per tensor.", number("Relative error.")), PEERS),
+        "launched_ms": table("Launched op by op from Python.", _PER_PASS("Per pass.", MS), PEERS),
+        "graph_ms": table("Captured once as a CUDA graph and replayed: the GPU's time alone.",
+                          _PER_PASS("Per pass.", MS), PEERS),
+        "graph_rounds_ms": table("The graphs again in interleaved rounds.",
+                                 _PER_PASS("Per pass.", array("One time per round.", MS)), PEERS),
+        "copy_floor_share": table("least_bytes over the graph's time, as a share of copy_gbps.",
+                                  _PER_PASS("Per pass.", number("Share (1: at the copy floor).")), PEERS),
+        "notes": table("How each implementation was called: layout, dtypes, what stands in for what.",
+                       text("Note."), PEERS),
+        "errors": table("Why an implementation has no figures.", text("The reason."), PEERS),
+    })),
+})
 TRAINING = obj("The training benchmark (mhc_lab.bench.training), one section per part.", required={}, optional={
     "site": TRAINING_SITE, "block": TRAINING_BLOCK, "block_kernels": TRAINING_BLOCK_KERNELS, "host": TRAINING_HOST,
-    "portable": TRAINING_PORTABLE, "stack": TRAINING_STACK, "deepseek_v4": TRAINING_DEEPSEEK_V4,
+    "portable": TRAINING_PORTABLE, "stack": TRAINING_STACK, "peers": TRAINING_PEERS,
+    "deepseek_v4": TRAINING_DEEPSEEK_V4,
 })
 
 
@@ -628,7 +654,7 @@ SCHEMAS = {s.name: s for s in (
     RecordingSchema("tilelang_h200", "python -m mhc_lab.bench tilelang --out mhc_lab/recorded", TILELANG),
     RecordingSchema("forward_h200", "python -m mhc_lab.bench forward", FORWARD, ("sites", "reference")),
     RecordingSchema("training_h200", "python -m mhc_lab.bench training", TRAINING,
-                    ("site", "block", "block_kernels", "host", "portable", "stack", "deepseek_v4")),
+                    ("site", "block", "block_kernels", "host", "portable", "stack", "peers", "deepseek_v4")),
 )}
 
 
