@@ -273,8 +273,8 @@ def readme_table(recordings: dict) -> str:
     launched = next((r for r in rows if r[1] == "launched ms"), None)
     if launched:
         where, layers = launched[0].rsplit(", ", 1)
-        lines.append(f"| training step, {layers} MLP layers, {where}, launched: plain residual / mHC, ours / "
-                     f"mHC, TileKernels | {' / '.join(c.split(' ')[0] for c in launched[2:5])} ms | {measured} |")
+        lines.append(f"| training step, {layers} MLP layers, {where}, launched: plain residual / mHC on ours / "
+                     f"mHC on TileKernels | {' / '.join(c.split(' ')[0] for c in launched[2:5])} ms | {measured} |")
     part = (training or {}).get("results", {}).get("deepseek_v4")
     for shape in (part or {}).get("shapes", [])[:1]:
         step = {kind: times.get("step") for kind, times in shape.get("time_ms", {}).items()}
@@ -286,8 +286,8 @@ def readme_table(recordings: dict) -> str:
     if ours:
         for col, cell in zip(header[1:], ours[1:]):
             width, _ = col.split(": ", 1)
-            lines.append(f"| mHC's added time on a transformer block (attention + MLP), {width}: launched / GPU time | "
-                         f"{cell} | {measured} |")
+            lines.append(f"| mHC's added time on a transformer block (attention + MLP), {width}: launched / "
+                         f"GPU time | {cell} | {measured} |")
     return "\n".join(lines[:11])
 
 
