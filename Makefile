@@ -1,7 +1,8 @@
 # mhc-lab: one entry point for set-up, the course, the tests and the benchmarks.
-#   make course   install, then execute every lab's solution headless (papermill, small mode, default device)
-#   make test     install, then run the whole test suite
-#   make lab      install, then open JupyterLab on labs/
+#   make lab      install, then open JupyterLab on labs/00_setup.ipynb (a learner's start)
+#   make test     install, then run the whole test suite (what .ci/run runs)
+#   make course   install, then execute every lab's *solution* headless (papermill, small mode, default device):
+#                 what CI and instructors run, every exercise answered
 #   make labs     regenerate labs/ from solutions/
 #   make bench    GPU benchmarks, recorded as JSON in mhc_lab/recorded/ (needs a CUDA GPU)
 #   make wheel    the package alone (mhc_lab: no solutions, no tests, no hidden checks) as a wheel to hand
@@ -49,7 +50,7 @@ browser: install
 	@$(PY) -c "import playwright.sync_api" || $(PY) -m pip install -q playwright
 
 lab: install
-	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) labs/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) labs/00_setup.ipynb
 
 labs: install
 	$(PY) -m mhc_lab.classroom.cli build

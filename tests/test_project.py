@@ -29,10 +29,11 @@ def test_environment_yml_matches_pyproject():
 
 def test_readme_commands_are_what_ci_and_make_run():
     readme = (ROOT / "README.md").read_text()
-    assert "make course" in readme and "make test" in readme
+    assert "make lab" in readme and "make test" in readme and "make course" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^course: install", makefile, re.M) and re.search(r"^test: install", makefile, re.M)
+    for target in ("lab", "test", "course"):
+        assert re.search(rf"^{target}: install\b", makefile, re.M), f"make {target} must install first"
 
 
 def _torch_requirement(requirements) -> str:

@@ -1,5 +1,7 @@
 """docs/results.md and the README's results table are what the recordings give (python -m mhc_lab.bench results)."""
 
+import re
+
 from mhc_lab.bench import results
 
 
@@ -45,5 +47,37 @@ def test_deepseek_v4_rows_are_the_recordings_figures_and_one_readme_row():
     assert [r[1] for r in rows] == list(results.DEEPSEEK_V4_PASSES.values()) and rows[1][5] == ""
     assert results.deepseek_v4_rows({"results": {}}) == ([], [], "")
     readme = results.readme_table({"training_h200": training})
-    assert ("| DeepSeek-V4 training step (64 × 32, 4 layers), transformers / use_mhc_lab | 10.000 / 5.000 (0.50x) "
-            "ms | NVIDIA H200, 2026-01-01 |") in readme
+    assert ("| training step, a small DeepSeek-V4 in transformers (4 layers, 64 × 32), launched: with use_mhc_lab / "
+            "as is | 5.000 / 10.000 ms (0.50x) | NVIDIA H200, 2026-01-01 |") in readme
+
+
+def _site_shape(tokens, C, ours, theirs):
+    return {"tokens": tokens, "C": C, "graph_ms": {"ours_chained": ours, "tilekernels": theirs},
+            "time_ms": {"ours_chained": ours / 4, "tilekernels": theirs / 4}}
+
+
+def test_readme_rows_print_ours_first_and_the_ratio_of_the_figures_in_that_order():
+    env = {"gpu": "NVIDIA H200", "date": "2026-01-01"}
+    training = {"results": {"site": {"environment": env, "shapes": [_site_shape(64, 32, 1.0, 4.0),
+                                                                    _site_shape(8, 16, 3.0, 2.0)]}}}
+    forward = {"results": {"sites": {"environment": env, "shapes": [_site_shape(64, 32, 2.0, 1.0)]}}}
+    rows = results.readme_table({"training_h200": training, "forward_h200": forward}).splitlines()[2:]
+    assert rows == [
+        "| one site, forward + backward, 64 × 32, GPU time: ours / TileKernels | 1.000 / 4.000 ms (0.25x) | "
+        "NVIDIA H200, 2026-01-01 |",
+        "| one site, forward + backward, 8 × 16, GPU time: ours / TileKernels | 3.000 / 2.000 ms (1.50x) | "
+        "NVIDIA H200, 2026-01-01 |",
+        "| one site, forward only, 64 × 32, GPU time: ours / TileKernels | 0.500 / 0.250 ms (2.00x) | "
+        "NVIDIA H200, 2026-01-01 |"]
+    assert results.readme_table({}).splitlines()[2:] == []
+
+
+def test_the_legend_names_the_tilekernels_version_the_recordings_tag_and_no_other():
+    env = {"gpu": "NVIDIA H200", "date": "2026-01-01"}
+    tagged = {"training_h200": {"results": {"block": {"environment": env},
+                                            "site": {"environment": {**env, "tilekernels": "9.8.7"}}}}}
+    assert "the version compared is tile-kernels 9.8.7" in results.results_legend(tagged, "g.md")[0]
+    untagged = {"training_h200": {"results": {"site": {"environment": env}}}, "forward_h200": None}
+    line = results.results_legend(untagged, "g.md")[0]
+    assert "do not tag which version" in line and "9.8.7" not in line
+    assert all("](g.md#" in link for link in re.findall(r"\]\([^)]*\)", results.results_legend(untagged, "g.md")[1]))

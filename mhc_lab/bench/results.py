@@ -185,10 +185,10 @@ def results_markdown(recordings: dict) -> str:
            "Written by `python -m mhc_lab.bench results` from the recordings in `mhc_lab/recorded/` (never by hand).",
            "Each table says where and when it was measured; each recording holds the command that regenerates it",
            "and the full environment (driver, CUDA, torch, TileLang). n = 4 lanes, bf16 lanes, float32 coefficients.",
-           ""]
+           "Words are defined in [the glossary](glossary.md).", "", results_legend(recordings, "glossary.md")[0], ""]
     sections = [
         ("One site's forward", forward_site_rows(forward),
-         "Pre and post with the layer taken as the identity; TileKernels is DeepSeek's fused implementation. In a "
+         "Pre and post with the layer taken as the identity. In a "
          "stack each post also projects its lanes for the next pre (chained sites), so a site moves the least "
          "bytes, 14C per token; the share of copy is those bytes over its time, against a device-to-device copy "
          "in the same run."),
@@ -221,34 +221,79 @@ def results_markdown(recordings: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def tilekernels_version(recordings: dict) -> str | None:
+    """The TileKernels version the recordings compared against: the `tilekernels` tag of a section's
+    environment, where the benchmark wrote one (the sections that time TileKernels), else None."""
+    for recording in recordings.values():
+        for section in ((recording or {}).get("results") or {}).values():
+            version = (section.get("environment") or {}).get("tilekernels") if isinstance(section, dict) else None
+            if version:
+                return str(version)
+    return None
+
+
+def results_legend(recordings: dict, glossary: str) -> list[str]:
+    """What the README's table compares and what its words mean, one line each; glossary is the path of
+    docs/glossary.md from the page the lines go on."""
+    version = tilekernels_version(recordings)
+    compared = (f"the version compared is tile-kernels {version}" if version
+                else "the recordings do not tag which version was compared")
+    return [
+        f"[TileKernels](https://github.com/deepseek-ai/TileKernels) is DeepSeek's open library of GPU kernels, "
+        f"mHC's among them; {compared}.",
+        f"A [site]({glossary}#site) is mHC's connection around one layer; ours run "
+        f"[chained]({glossary}#chained-sites), as a stack does. Shapes: tokens × C, C a lane's width. "
+        f"*GPU time*: the GPU's own clock, without Python's launching ([CUDA graph]({glossary}#cuda-graph)); "
+        f"*launched*: op by op from Python, as a training loop runs. In `a / b ms (r x)`, r = a / b: below 1, "
+        f"the first is faster.",
+    ]
+
+
+def _pair(first: float | None, second: float | None) -> str:
+    """"a / b ms (r x)" with r = a / b, the figures in the order they are printed."""
+    ratio = f" ({first / second:.2f}x)" if first and second else ""
+    return f"{_ms(first)} / {_ms(second)} ms{ratio}"
+
+
 def readme_table(recordings: dict) -> str:
     """At most nine rows: the headline figures, each with where and when."""
     forward, training = recordings.get("forward_h200"), recordings.get("training_h200")
-    lines = ["| what (n = 4, bf16) | figure | measured |", "|---|---|---|"]
-    _, rows, measured = training_site_rows(training)
-    for r in rows[:3]:
-        lines.append(f"| site forward + backward at {r[0]}: TileKernels / ours (chained), CUDA graph | "
-                     f"{r[1]} / {r[2].split(' / ')[-1]} ms ({r[3]}) | {measured} |")
-    _, rows, measured = forward_site_rows(forward)
-    for r in rows[:2]:
-        lines.append(f"| site forward at {r[0]}: TileKernels / ours alone / ours in a stack | {r[1]} / {r[2]} ms | "
-                     f"{measured} |")
+    lines = ["| what is timed (n = 4 lanes, bf16) | figure | measured |", "|---|---|---|"]
+    site = (training or {}).get("results", {}).get("site")
+    for row in (site or {}).get("shapes", [])[:3]:
+        g = row.get("graph_ms", {})
+        lines.append(f"| one site, forward + backward, {_shape(row)}, GPU time: ours / TileKernels | "
+                     f"{_pair(g.get('ours_chained'), g.get('tilekernels'))} | {_measured(site)} |")
+    sites = (forward or {}).get("results", {}).get("sites")
+    for row in (sites or {}).get("shapes", [])[:1]:
+        t = row.get("time_ms", {})
+        lines.append(f"| one site, forward only, {_shape(row)}, GPU time: ours / TileKernels | "
+                     f"{_pair(t.get('ours_chained'), t.get('tilekernels'))} | {_measured(sites)} |")
     _, rows, measured = stack_rows(training)
     launched = next((r for r in rows if r[1] == "launched ms"), None)
     if launched:
-        lines.append(f"| training step of {launched[0]} MLP layers, launched: plain / ours / TileKernels | "
-                     f"{' / '.join(c.split(' ')[0] for c in launched[2:5])} ms | {measured} |")
-    _, rows, measured = deepseek_v4_rows(training)
-    step = next((r for r in rows if r[1] == DEEPSEEK_V4_PASSES["step"]), None)
-    if step:
-        lines.append(f"| DeepSeek-V4 training step ({step[0]} layers), transformers / use_mhc_lab | "
-                     f"{step[2]} / {step[3]} ms | {measured} |")
+        where, layers = launched[0].rsplit(", ", 1)
+        lines.append(f"| training step, {layers} MLP layers, {where}, launched: plain residual / mHC on ours / "
+                     f"mHC on TileKernels | {' / '.join(c.split(' ')[0] for c in launched[2:5])} ms | {measured} |")
+    part = (training or {}).get("results", {}).get("deepseek_v4")
+    for shape in (part or {}).get("shapes", [])[:1]:
+        step = {kind: times.get("step") for kind, times in shape.get("time_ms", {}).items()}
+        lines.append(f"| training step, a small DeepSeek-V4 in transformers ({shape['layers']} layers, "
+                     f"{shape['tokens']} × {shape['hidden']}), launched: with use_mhc_lab / as is | "
+                     f"{_pair(step.get('patched'), step.get('unpatched'))} | {_measured(part)} |")
     header, rows, measured = block_rows(training)
     ours = next((r for r in rows if r[0] == BLOCK_KINDS["mhc_ours"]), None)
     if ours:
         for col, cell in zip(header[1:], ours[1:]):
-            lines.append(f"| mHC's overhead on a transformer block, {col} | {cell} | {measured} |")
+            width, _ = col.split(": ", 1)
+            lines.append(f"| mHC's added time on a transformer block (attention + MLP), {width}: launched / "
+                         f"GPU time | {cell} | {measured} |")
     return "\n".join(lines[:11])
+
+
+def readme_block(recordings: dict) -> str:
+    """What goes between the README's markers: the legend, then the table."""
+    return "\n".join(results_legend(recordings, "docs/glossary.md") + ["", readme_table(recordings)])
 
 
 def readme_with_table(readme: str, table: str) -> str:
@@ -269,7 +314,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     recordings = load_all()
     wanted_md = results_markdown(recordings)
-    wanted_readme = readme_with_table(README.read_text(), readme_table(recordings))
+    wanted_readme = readme_with_table(README.read_text(), readme_block(recordings))
     if args.check:
         stale = [p.name for p, text in ((RESULTS_MD, wanted_md), (README, wanted_readme))
                  if not p.exists() or p.read_text() != text]
