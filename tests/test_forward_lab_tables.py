@@ -1,5 +1,7 @@
 """The recorded forward benchmark's tables, as lab 06 prints them: its two parts (sites, reference) as one view."""
 
+import pytest
+
 from mhc_lab.course import forward_lab
 
 
@@ -55,6 +57,18 @@ def test_kernel_table_and_reading_use_each_kernels_own_bytes():
     assert facts["chained_over_tilekernels"] == (0.49 / 0.62, 0.49 / 0.62)
     assert facts["eager_over_ours"] == (12.6 / 0.63, 12.6 / 0.63)
     assert "our chained site / TileKernels:               0.79x" in forward_lab.reading_text(results)
+
+
+def test_reading_compares_each_kernels_share_of_copy_on_its_own_bytes():
+    facts = forward_lab.reading(forward_lab.recorded_results(_recording()))
+    project, apply, post = 16384 * 4096 * 4 * 2 / 0.16, 16384 * 4096 * 5 * 2 / 0.18, 16384 * 73808 / 0.30
+    assert facts["projection_over_apply"] == pytest.approx((project / apply,) * 2)
+    assert facts["projection_over_post"] == pytest.approx((project / post,) * 2)
+    assert facts["chained_post_over_post"] is None  # the chained kernels were not measured
+    assert facts["eager_over_tilekernels"] == (12.6 / 0.70, 12.6 / 0.70) and facts["compile_over_tilekernels"]
+    text = forward_lab.reading_text(forward_lab.recorded_results(_recording()))
+    assert f"  projection pass / apply pass:               {project / apply:.2f}x" in text
+    assert "  chained post + projection / post kernel:    not measured" in text
 
 
 def test_the_recorded_tables_render_every_recorded_time():

@@ -177,7 +177,17 @@ def _load_all() -> None:
         _load(module)
 
 
+def _exercise_id(id) -> str:
+    """An exercise id as registered, "6.1"; a number 6.1 is taken as the string it prints as."""
+    if isinstance(id, str):
+        return id
+    if isinstance(id, (int, float)) and not isinstance(id, bool):
+        return str(id)
+    raise TypeError(f"exercise id: expected a string such as \"6.1\", got {type(id).__name__} {id!r}")
+
+
 def get_exercise(id: str) -> Exercise:
+    id = _exercise_id(id)
     if id not in REGISTRY:
         # Exercise "3.2" lives in exercises/lab03.py: load that lab alone, so one lab's checks never depend
         # on another lab's module importing cleanly.
@@ -187,7 +197,8 @@ def get_exercise(id: str) -> Exercise:
     if id not in REGISTRY:
         _load_all()
     if id not in REGISTRY:
-        raise KeyError(f"no exercise {id!r}; known: {sorted(REGISTRY, key=_order)}")
+        raise KeyError(f"no exercise {id!r}; known: {sorted(REGISTRY, key=_order)} (give the id as a string: a "
+                       "number such as 6.10 reads as 6.1)")
     return REGISTRY[id]
 
 
@@ -230,6 +241,7 @@ def check(id: str, answer: Any) -> None:
 def hint(id: str, level: int = 1) -> None:
     """Print hints 1..level of exercise ``id``."""
     exercise = get_exercise(id)
+    id = exercise.id
     if not exercise.hints:
         print(f"Exercise {id} has no hints.")
         return

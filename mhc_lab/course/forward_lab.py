@@ -299,12 +299,6 @@ def site_fraction(r: dict, name: str, copy_gbps: float) -> float:
     return r["min_bytes"] / (r["time_ms"][name] * 1e-3) / 1e9 / copy_gbps
 
 
-def post_fraction(r: dict, copy_gbps: float) -> float:
-    """The post kernel alone, on its own least bytes."""
-    counted = r["tokens"] * post_bytes(r["n"], r["C"])["total"]
-    return counted / (r["kernel_ms"]["post"] * 1e-3) / 1e9 / copy_gbps
-
-
 def site_table(results: dict) -> str:
     """Time, GB/s on the least bytes, fraction of the copy bandwidth, and time relative to TileKernels."""
     copy = results["copy_gbps"]
@@ -340,18 +334,27 @@ def kernel_rows(n: int, C: int) -> list[tuple[str, str, int | None]]:
             ("chained: post + next projection (18C)", "chained.post_project", post)]
 
 
+def kernel_fractions(r: dict, copy_gbps: float) -> dict:
+    """Our kernels alone at one measured shape: kernel_ms key -> fraction of the copy bandwidth on the kernel's own
+    least bytes (kernel_rows); kernels not measured, or without bytes per token, left out."""
+    t = r.get("kernel_ms") or {}
+    return {key: r["tokens"] * per_token / (t[key] * 1e-3) / 1e9 / copy_gbps
+            for _, key, per_token in kernel_rows(r["n"], r["C"]) if key in t and per_token is not None}
+
+
 def kernel_table(results: dict) -> str:
     """Our kernels alone, each on its own least bytes: post, the pre and its two passes, the chained site's two."""
     copy = results["copy_gbps"]
     lines = [f"{'tokens x C':<13} {'kernel':<40} {'time':>10} {'bytes/token':>12} {'of copy':>8}", "-" * 87]
     for r in results["shapes"]:
         t = r.get("kernel_ms") or {}
+        fractions = kernel_fractions(r, copy)
         for label, key, per_token in kernel_rows(r["n"], r["C"]):
             if key in t and per_token is None:
                 lines.append(f"{_shape_name(r):<13} {label:<40} {t[key]:7.3f} ms {'-':>12} {'-':>8}")
             elif key in t:
-                fraction = r["tokens"] * per_token / (t[key] * 1e-3) / 1e9 / copy
-                lines.append(f"{_shape_name(r):<13} {label:<40} {t[key]:7.3f} ms {per_token:>12,} {fraction:8.1%}")
+                lines.append(f"{_shape_name(r):<13} {label:<40} {t[key]:7.3f} ms {per_token:>12,} "
+                             f"{fractions[key]:8.1%}")
             else:
                 lines.append(f"{_shape_name(r):<13} {label:<40} not measured")
     return "\n".join(lines)
@@ -374,9 +377,14 @@ def reading(results: dict) -> dict:
         return span([r["time_ms"][name] / r["time_ms"][base] for r in shapes
                      if name in r["time_ms"] and base in r["time_ms"]])
 
+    kernels = [kernel_fractions(r, copy) for r in shapes]
+
+    def kernel_ratio(name, base):  # shares of the copy bandwidth, each kernel on its own bytes
+        return span([k[name] / k[base] for k in kernels if name in k and base in k])
+
     split_share = site_lane_bytes(4, 1, "split") / site_lane_bytes(4, 1, "one_pass")
     return {
-        "post": span([post_fraction(r, copy) if "post" in (r.get("kernel_ms") or {}) else None for r in shapes]),
+        "post": span([k.get("post") for k in kernels]),
         "ours": fraction("ours"),
         "ours_chained": fraction("ours_chained"),
         "tilekernels": fraction("tilekernels"),
@@ -384,6 +392,11 @@ def reading(results: dict) -> dict:
         "chained_over_tilekernels": ratio("ours_chained", "tilekernels"),
         "eager_over_ours": ratio("eager", "ours"),
         "compile_over_ours": ratio("compile", "ours"),
+        "eager_over_tilekernels": ratio("eager", "tilekernels"),
+        "compile_over_tilekernels": ratio("compile", "tilekernels"),
+        "projection_over_apply": kernel_ratio("pre.project", "pre.apply"),
+        "projection_over_post": kernel_ratio("pre.project", "post"),
+        "chained_post_over_post": kernel_ratio("chained.post_project", "post"),
         "split_on_its_bytes": span([site_fraction(r, "ours", copy) * split_share if "ours" in r["time_ms"] else None
                                     for r in shapes]),
         "rel_err": {name: max(r["rel_err"][name] for r in shapes if name in r["rel_err"])
@@ -411,6 +424,10 @@ def reading_text(results: dict) -> str:
         f"our chained site / TileKernels:               {span('chained_over_tilekernels', '{:.2f}x')}",
         f"eager PyTorch / our split site:               {span('eager_over_ours', '{:.0f}x')}",
         f"torch.compile / our split site:               {span('compile_over_ours', '{:.0f}x')}",
+        "each kernel's share of copy on its own bytes, against another's:",
+        f"  projection pass / apply pass:               {span('projection_over_apply', '{:.2f}x')}",
+        f"  projection pass / post kernel:              {span('projection_over_post', '{:.2f}x')}",
+        f"  chained post + projection / post kernel:    {span('chained_post_over_post', '{:.2f}x')}",
         f"target:                                       {TARGET_FRACTION:.0%} on the 14C metric",
         "largest relative error against the float32 reference, over the shapes:",
         *(f"  {IMPLEMENTATIONS[name]:<44}{err:.0e}" for name, err in facts["rel_err"].items()),

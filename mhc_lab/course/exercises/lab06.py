@@ -8,11 +8,14 @@ with NaN and followed by NaN guard rows, against the float64 reference of mhc_la
 
 from __future__ import annotations
 
+import math
+
 import tilelang.language as T
 import torch
 
 from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, expect_number, randn, register
 from mhc_lab.course.tile_checks import compile_learner_program
+from mhc_lab.kernels._target import compile_program
 from mhc_lab.course.forward_lab import (
     PLANS,
     logits_norm_first,
@@ -24,6 +27,20 @@ from mhc_lab.reference.mhc import mixes_width
 
 _TAIL = ("This looks like the usual mistake: forgetting the tail. When the token count is not a multiple of "
          "block_tokens the last tile hangs over the end")
+
+
+# TileLang guards every access to a tensor of dynamic shape by itself, unless told not to: compiled that way a
+# program without its own tail guard still runs right, and a GPU program built without the guards would not.
+_AS_WRITTEN = {"tl.disable_safe_memory_legalize": True}
+
+
+def _compile_as_written(answer, args: tuple, case: str):
+    """The learner's program compiled exactly as written, without TileLang's own bounds guards, so that a missing
+    tail guard writes past the last token (call compile_learner_program first: it explains a failing build)."""
+    program = call(answer, *args, case=case)
+    if getattr(type(program), "_mhc_lab_remote", False):
+        return program._session.apply("mhc_lab.kernels._target.compile_program", program, "c", _AS_WRITTEN)
+    return compile_program(program, "c", _AS_WRITTEN)
 
 
 def _extra(tokens: int, block_tokens: int) -> int:
@@ -52,8 +69,9 @@ def _run(kernel, inputs: list, out_shape: tuple, tokens: int, block_tokens: int,
 def _tail_checks(out: torch.Tensor, wrote_past_end: bool, tokens: int, block_tokens: int, case: str):
     """Name the tail mistakes: writing past the end, a grid of tokens // block_tokens, no tile offset."""
     if wrote_past_end:
-        raise CheckFailed(f"{case}: your program wrote past token {tokens - 1}, the last one. {_TAIL}: guard the "
-                          "tokens with `if t < tokens:` before touching memory.")
+        raise CheckFailed(f"{case}: your program wrote past token {tokens - 1}, the last one: the tail guard is "
+                          "missing. When the token count is not a multiple of block_tokens the last tile hangs over "
+                          "the end: guard the tokens with `if t < tokens:` before touching memory.")
     missing = torch.isnan(out.reshape(tokens, -1)).all(dim=1)
     if not missing.any():
         return
@@ -98,7 +116,7 @@ def _post_variant(kind: str):
                 acc = T.alloc_local((1,), "float32")
                 for k in T.serial(block_tokens):
                     t = b * block_tokens + k
-                    if t < tokens:
+                    if kind == "no_guard" or t < tokens:
                         for c, i in T.grid(C, n):
                             if kind == "post_in_sum":
                                 acc[0] = 0.0
@@ -138,12 +156,15 @@ def _post_variant(kind: str):
         Mistake(_post_variant("transposed"), "H_res transposed"),
         Mistake(_post_variant("post_in_sum"), "H_post without its lane index"),
         Mistake(_post_variant("floor_grid"), "forgetting the tail"),
+        Mistake(_post_variant("no_guard"), "the tail guard is missing"),
     ],
 )
 def _check_post(answer):
     cases = []
-    for n, C, bt, token_counts in _POST_CONFIGS:
+    for first, (n, C, bt, token_counts) in enumerate(_POST_CONFIGS):
         kernel = compile_learner_program(answer, (n, C, bt), f"n={n}, C={C}, block_tokens={bt}")
+        if first == 0:  # one build without TileLang's own guards: does the program guard its tail itself?
+            kernel = _compile_as_written(answer, (n, C, bt), f"n={n}, C={C}, block_tokens={bt}")
         for k, tokens in enumerate(token_counts):
             case = f"tokens={tokens}, n={n}, C={C}, block_tokens={bt}"
             seed = 1000 * n + 10 * C + k
@@ -183,7 +204,7 @@ def _input_variant(kind: str):
                 acc = T.alloc_local((1,), "float32")
                 for k in T.serial(block_tokens):
                     t = b * block_tokens + k
-                    if t < tokens:
+                    if kind == "no_guard" or t < tokens:
                         for c in T.serial(C):
                             acc[0] = 0.0
                             for j in T.serial(n):
@@ -216,12 +237,15 @@ def _input_variant(kind: str):
         Mistake(_input_variant("unweighted"), "without the weights H_pre"),
         Mistake(_input_variant("instance"), "instance index b"),
         Mistake(_input_variant("floor_grid"), "forgetting the tail"),
+        Mistake(_input_variant("no_guard"), "the tail guard is missing"),
     ],
 )
 def _check_layer_input(answer):
     cases = []
-    for n, C, bt, token_counts in _INPUT_CONFIGS:
+    for first, (n, C, bt, token_counts) in enumerate(_INPUT_CONFIGS):
         kernel = compile_learner_program(answer, (n, C, bt), f"n={n}, C={C}, block_tokens={bt}")
+        if first == 0:  # as in 6.1: the tail guard is the program's own
+            kernel = _compile_as_written(answer, (n, C, bt), f"n={n}, C={C}, block_tokens={bt}")
         for k, tokens in enumerate(token_counts):
             case = f"tokens={tokens}, n={n}, C={C}, block_tokens={bt}"
             seed = 2000 * n + 10 * C + k
@@ -397,6 +421,7 @@ def _check_plan_bytes(answer):
         Mistake(lambda n, C, tile_tokens: 4 * (n * n + 2 * n) * n * C, "once per tile"),
         Mistake(lambda n, C, tile_tokens: 4 * n * n * n * C / tile_tokens, "n^2 + 2n rows"),
         Mistake(lambda n, C, tile_tokens: 2 * (n * n + 2 * n) * n * C / tile_tokens, "float32"),
+        Mistake(lambda n, C, tile_tokens: 4 * (n * n + 2 * n) * n * C // tile_tokens, "integer division"),
     ],
 )
 def _check_phi_bytes(answer):
@@ -414,6 +439,9 @@ def _check_phi_bytes(answer):
                 explain = "You counted only the n^2 res rows: phi has n^2 + 2n rows (pre, post and res)."
             elif abs(value - want / 2) <= 1e-9 * want:
                 explain = "phi is float32, 4 bytes per entry (the GPU kernels take it as two bf16 halves: 4 too)."
+            elif value == math.floor(want) != want:
+                explain = (f"That is {want:,.3f} rounded down: integer division (// or int()). A token's share of phi "
+                           "is a fraction of a byte when tile_tokens does not divide phi's bytes: divide with /.")
         except (TypeError, ValueError):
             pass
         expect_number(got, want, case=case, name="phi bytes per token", explain=explain)
