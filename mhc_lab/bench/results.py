@@ -179,6 +179,44 @@ def deepseek_v4_rows(training: dict | None) -> tuple[list[str], list[list[str]],
     return header, rows, _measured(part)
 
 
+PEER_LABELS = {"ours": "ours", "tilekernels": "TileKernels", "liger": "Liger-Kernel",
+               "transformer_engine": "TransformerEngine"}
+
+
+def peer_label(name: str, versions: dict) -> str:
+    """'TileKernels 2.1.0': the peer and the version the recording compared (ours carries none)."""
+    version = versions.get(name)
+    return PEER_LABELS.get(name, name) + (f" {version}" if version else "")
+
+
+def peers_rows(training: dict | None) -> tuple[list[str], list[list[str]], str]:
+    """One site beside the fused implementations of other libraries: per shape and implementation, the forward
+    and forward + backward as CUDA graphs and launched, the share of the copy floor, and the largest relative
+    error against the float64 site (output or any gradient)."""
+    part = (training or {}).get("results", {}).get("peers")
+    if not part:
+        return [], [], ""
+    versions = part.get("versions") or {}
+    header = ["shape (tokens × C)", "implementation", "forward ms: graph / launched",
+              "forward + backward ms: graph / launched", "share of copy floor (fwd+bwd, graph)",
+              "largest error vs float64"]
+    rows = []
+    for shape in part["shapes"]:
+        for name in ("ours", "tilekernels", "liger", "transformer_engine"):
+            label = peer_label(name, versions)
+            if name in shape.get("errors", {}):
+                rows.append([_shape(shape), label, "did not run: " + shape["errors"][name][:120].replace("|", "/"),
+                             "", "", ""])
+                continue
+            g, launched = shape["graph_ms"].get(name, {}), shape["launched_ms"].get(name, {})
+            share = (shape.get("copy_floor_share", {}).get(name) or {}).get("forward_backward")
+            err = max((shape.get("rel_err", {}).get(name) or {"": float("nan")}).values())
+            rows.append([_shape(shape), label, f"{_ms(g.get('forward'))} / {_ms(launched.get('forward'))}",
+                         f"{_ms(g.get('forward_backward'))} / {_ms(launched.get('forward_backward'))}",
+                         "-" if share is None else f"{share:.0%}", f"{err:.1e}"])
+    return header, rows, _measured(part)
+
+
 def results_markdown(recordings: dict) -> str:
     forward, training = recordings.get("forward_h200"), recordings.get("training_h200")
     out = ["# Results", "",
@@ -197,6 +235,12 @@ def results_markdown(recordings: dict) -> str:
          "post apart; a linked site sums the lanes' two gradients in one pass; a chained site (what a stack runs) "
          "also has each post project its lanes for the next pre. Launched: op by op from Python, the host's time "
          "included."),
+        ("One site beside other libraries' fused mHC", peers_rows(training),
+         "The same numbers handed to each implementation in its own layout and recommended dtypes "
+         "(`python -m mhc_lab.bench training --parts peers`; how each was called is in the recording's notes). "
+         "Errors: the output and every gradient against a float64 site, mapped back to our convention; the "
+         "largest is shown. The share of the copy floor: the least bytes a site moves over its time, against a "
+         "device-to-device copy in the same run."),
         ("A training loop: a stack of MLP layers", stack_rows(training),
          "Pre-norm MLP layers (4C hidden, bf16) joined by the plain residual or by mHC, one training step at a time "
          "as a user's loop runs it: launched op by op from Python (the host's time included), as a CUDA graph (the "
