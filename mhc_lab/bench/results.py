@@ -268,6 +268,9 @@ def results_markdown(recordings: dict) -> str:
 def tilekernels_version(recordings: dict) -> str | None:
     """The TileKernels version the recordings compared against: the `tilekernels` tag of a section's
     environment, where the benchmark wrote one (the sections that time TileKernels), else None."""
+    peers = ((recordings.get("training_h200") or {}).get("results") or {}).get("peers") or {}
+    if (peers.get("versions") or {}).get("tilekernels"):
+        return peers["versions"]["tilekernels"]
     for recording in recordings.values():
         for section in ((recording or {}).get("results") or {}).values():
             version = (section.get("environment") or {}).get("tilekernels") if isinstance(section, dict) else None
@@ -303,16 +306,27 @@ def readme_table(recordings: dict) -> str:
     """At most nine rows: the headline figures, each with where and when."""
     forward, training = recordings.get("forward_h200"), recordings.get("training_h200")
     lines = ["| what is timed (n = 4 lanes, bf16) | figure | measured |", "|---|---|---|"]
-    site = (training or {}).get("results", {}).get("site")
-    for row in (site or {}).get("shapes", [])[:3]:
-        g = row.get("graph_ms", {})
-        lines.append(f"| one site, forward + backward, {_shape(row)}, GPU time: ours / TileKernels | "
-                     f"{_pair(g.get('ours_chained'), g.get('tilekernels'))} | {_measured(site)} |")
-    sites = (forward or {}).get("results", {}).get("sites")
-    for row in (sites or {}).get("shapes", [])[:1]:
-        t = row.get("time_ms", {})
-        lines.append(f"| one site, forward only, {_shape(row)}, GPU time: ours / TileKernels | "
-                     f"{_pair(t.get('ours_chained'), t.get('tilekernels'))} | {_measured(sites)} |")
+    peers = (training or {}).get("results", {}).get("peers")
+    if peers:  # the field as it stands: every implementation on the same numbers
+        versions = peers.get("versions") or {}
+        names = [n for n in PEER_LABELS if any(n in row.get("graph_ms", {}) for row in peers["shapes"])]
+        labels = " / ".join(peer_label(n, versions) for n in names)
+        for what, key in (("forward + backward", "forward_backward"), ("forward", "forward")):
+            for row in peers["shapes"][: 3 if key == "forward_backward" else 1]:
+                times = [(row["graph_ms"].get(n) or {}).get(key) for n in names]
+                lines.append(f"| one site, {what}, {_shape(row)}, GPU time: {labels} | "
+                             f"{' / '.join(_ms(t) for t in times)} ms | {_measured(peers)} |")
+    else:
+        site = (training or {}).get("results", {}).get("site")
+        for row in (site or {}).get("shapes", [])[:3]:
+            g = row.get("graph_ms", {})
+            lines.append(f"| one site, forward + backward, {_shape(row)}, GPU time: ours / TileKernels | "
+                         f"{_pair(g.get('ours_chained'), g.get('tilekernels'))} | {_measured(site)} |")
+        sites = (forward or {}).get("results", {}).get("sites")
+        for row in (sites or {}).get("shapes", [])[:1]:
+            t = row.get("time_ms", {})
+            lines.append(f"| one site, forward only, {_shape(row)}, GPU time: ours / TileKernels | "
+                         f"{_pair(t.get('ours_chained'), t.get('tilekernels'))} | {_measured(sites)} |")
     _, rows, measured = stack_rows(training)
     launched = next((r for r in rows if r[1] == "launched ms"), None)
     if launched:
