@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_lab.course.checks import CheckFailed, Mistake, call, register, seeded
+from mhc_lab.course.checks import CheckFailed, Mistake, assert_close, call, register, seeded
 from mhc_lab.course.exercises import lab08_models  # noqa: F401 - registers exercises 8.5 and 8.6
 from mhc_lab.course.step_time import copy_floor_overhead, host_per_site, host_share, instruction_bound
 
