@@ -250,3 +250,33 @@ def test_the_live_stack_times_each_kind_and_replays_only_the_uncompiled_ones(mon
     assert shape["errors"] == {"mhc_reference": "RuntimeError: out of memory"}
     text = stack_clocks.stack_table(live["stack"])
     assert "mHC, fused kernels, compiled" in text and "1.67x" in text  # 2.5 ms over the compiled plain 1.5 ms
+
+
+def test_profile_reading_says_whether_the_added_kernels_filled_the_waits():
+    def step(kernel_ms, idle_ms):
+        return {"wall_ms": kernel_ms + idle_ms, "kernel_ms": kernel_ms, "idle_ms": idle_ms, "launches": 1.0,
+                "kernels": {}}
+
+    block_kernels = {"widths": [
+        {"C": 2560, "tokens": 8, "kind": "mhc_ours", "residual_block": step(10.0, 1.0), "kind_block": step(11.0, 0.4)},
+        {"C": 4096, "tokens": 8, "kind": "copy_floor", "residual_block": step(10.0, 1.0), "kind_block": step(11.0, 1.3)},
+    ]}
+    first, second = step_time.profile_reading(block_kernels).splitlines()
+    assert first.startswith("C = 2560, mHC, ours (chained): the idle time shrank by 0.60 ms")
+    assert second.startswith("C = 4096, copy floor (mHC's bytes): the idle time grew by 0.30 ms")
+
+
+def test_power_cap_reading_groups_the_kernels_by_the_widths_that_slowed_them():
+    def width(C, post_block_ms, kernel2_block_ms):
+        plain = _kernels(gemm=2.0)
+        return {"C": C, "tokens": 16, "kind": "mhc_ours", "residual_block": _step(plain),
+                "kind_block": _step({**_kernels(gemm=2.02), **_kernels(post_cuda_kernel=post_block_ms,
+                                                                      lanes_backward_cuda_post_grad_kernel=kernel2_block_ms,
+                                                                      coefficients_backward_tokens_kernel=0.06)}),
+                "kind_without_layers": _step(_kernels(post_cuda_kernel=0.2, lanes_backward_cuda_post_grad_kernel=0.5,
+                                                      coefficients_backward_tokens_kernel=0.05))}
+
+    reading = step_time.power_cap_reading({"widths": [width(2560, 0.2, 0.5), width(4096, 0.2, 0.6)]})
+    assert reading.splitlines() == ["slowed at every width: pre backward 1: per token",
+                                    "slowed at C = 4096 only: pre backward 2: dx, dphi",
+                                    "slowed at no width: post (the last site)"]

@@ -286,10 +286,10 @@ def profile_reading(block_kernels: dict | None) -> str:
     for e in (block_kernels or {}).get("widths") or []:
         plain, other = e["residual_block"], e["kind_block"]
         idle = other["idle_ms"] - plain["idle_ms"]
-        verdict = ("shrank: part of the added kernels ran where the plain step's GPU waited" if idle < 0 else
-                   "grew: the added kernels filled none of the plain step's waits, and the wall grew by more than "
-                   "the kernels")
-        out.append(f"C = {e['C']}, {BLOCK_IMPLEMENTATIONS[e['kind']]}: the idle time {verdict} ({idle:+.2f} ms)")
+        verdict = (f"shrank by {-idle:.2f} ms: part of the added kernels ran where the plain step's GPU waited"
+                   if idle < 0 else f"grew by {idle:.2f} ms: the added kernels filled none of the plain step's "
+                   "waits, and the wall grew by more than the kernels")
+        out.append(f"C = {e['C']}, {BLOCK_IMPLEMENTATIONS[e['kind']]}: the idle time {verdict}")
     return "\n".join(out)
 
 
