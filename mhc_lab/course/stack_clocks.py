@@ -152,7 +152,7 @@ def stack_reading(stack: dict | None) -> str:
         if r["host_ms"] is None or r["site_gpu_ms"] is None:
             continue
         kernels = f", {r['site_kernels']:.1f} kernels" if r["site_kernels"] is not None else ""
-        times = f" ({r['host_ms'] / r['site_gpu_ms']:.0f} times its GPU work)" if r["site_gpu_ms"] > 0 \
+        times = f" ({r['host_ms'] / r['site_gpu_ms']:.1f} times its GPU work)" if r["site_gpu_ms"] > 0 \
             and r["host_ms"] > r["site_gpu_ms"] else ""
         out.append(f"{r['tokens']} x {r['C']}, {r['label']}: a site is {r['site_gpu_ms']:.3f} ms of GPU work"
                    f"{kernels}; the host adds {r['host_ms']:+.3f} ms per site{times}; the launched step is "
