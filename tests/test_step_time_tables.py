@@ -4,7 +4,7 @@ counts are the byte model's, and the shipped recordings render."""
 import pytest
 
 from mhc_lab.bench.copy_floor import copy_floor_counts, copy_floor_plan
-from mhc_lab.course import step_time
+from mhc_lab.course import stack_clocks, step_time
 from mhc_lab.course.training_recorded import CHAINED_KERNEL_ELEMENTS
 
 
@@ -124,25 +124,25 @@ def _stack_shape():
 
 def test_stack_table_reads_every_ratio_and_labels_every_kind():
     stack = {"shapes": [_stack_shape()]}
-    rows = {r["kind"]: r for r in step_time.stack_rows(stack)}
+    rows = {r["kind"]: r for r in stack_clocks.stack_rows(stack)}
     assert list(rows) == ["residual", "mhc_kernels", "mhc_kernels_compiled", "mystery"]
     assert rows["mhc_kernels"]["launched_ratio"] == 3.47 and rows["mhc_kernels"]["graph_ratio"] == 1.59
     assert rows["mhc_kernels_compiled"]["graph_ms"] is None and rows["mhc_kernels_compiled"]["graph_ratio"] is None
     host, bound = step_time.host_per_site(17.33, 1.94, 5.11, 1.21, 6)
     assert rows["mhc_kernels"]["host_ms"] == host and rows["mhc_kernels"]["host_bound"] is bound
     assert rows["mhc_kernels"]["site_kernels"] == pytest.approx((163 - 101) / 6)
-    text = step_time.stack_table(stack)
+    text = stack_clocks.stack_table(stack)
     for label in ("plain residual", "mHC, fused kernels", "mHC, fused kernels, compiled", "mystery"):
         assert f"  {label} " in text
     for shown in ("17.33 ms", "3.47x", "1.59x", "1.62x", "163", f"{host:+.3f} ms", "capture failed"):
         assert shown in text
-    assert step_time.stack_table(None) == "(no stack measurements)"
+    assert stack_clocks.stack_table(None) == "(no stack measurements)"
 
 
 def test_a_live_stack_without_recorded_ratios_shows_the_quotients():
     shape = _stack_shape()
     del shape["over_residual"]
-    (row,) = [r for r in step_time.stack_rows({"shapes": [shape]}) if r["kind"] == "mhc_kernels"]
+    (row,) = [r for r in stack_clocks.stack_rows({"shapes": [shape]}) if r["kind"] == "mhc_kernels"]
     assert row["launched_ratio"] == pytest.approx(17.33 / 5.11) and row["graph_ratio"] == pytest.approx(2.04 / 1.29)
 
 
@@ -162,7 +162,7 @@ def test_every_figure_of_the_shipped_stack_table_is_the_recordings():
         allowed |= {str(shape[k]) for k in ("tokens", "C", "n", "layers")}
         allowed |= {str(v) for v in (shape.get("dynamo") or {}).values()}
         over, per_site = shape["over_residual"], shape["per_site_over_residual"]
-        for kind in step_time.stack_kinds(shape):
+        for kind in stack_clocks.stack_kinds(shape):
             for figure in ("launched_ms", "gpu_ms", "graph_ms"):
                 if kind in shape[figure]:
                     allowed.add(f"{shape[figure][kind]:.2f}")
@@ -177,16 +177,16 @@ def test_every_figure_of_the_shipped_stack_table_is_the_recordings():
                 site = per_site[kind]
                 allowed |= {f"{site['gpu_ms']:+.3f}", f"{site['kernels']:+.1f}",
                             f"{site['launched_ms'] - site['gpu_ms']:+.3f}"}
-    text = step_time.stack_table(stack)
+    text = stack_clocks.stack_table(stack)
     shown = _numbers(text.split("\n(x:")[0])  # the legend below the table holds no figure
     assert shown and set(shown) <= allowed, sorted(set(shown) - allowed)
-    for row in step_time.stack_rows(stack):
+    for row in stack_clocks.stack_rows(stack):
         if row["host_ms"] is not None:  # exercise 8.3's host per site is the benchmark's per-site figures' difference
             site = next(s for s in stack["shapes"] if s["C"] == row["C"] and s["tokens"] == row["tokens"])
             per_site = site["per_site_over_residual"][row["kind"]]
             assert row["host_ms"] == pytest.approx(per_site["launched_ms"] - per_site["gpu_ms"])
             assert row["site_gpu_ms"] == pytest.approx(per_site["gpu_ms"])
-    host = step_time.stack_host_table(stack)
+    host = stack_clocks.stack_host_table(stack)
     assert not host.startswith("(no")
     for shape in stack["shapes"]:
         if shape.get("host"):
@@ -195,11 +195,11 @@ def test_every_figure_of_the_shipped_stack_table_is_the_recordings():
 
 
 def test_the_host_of_a_tiny_reference_stack_is_profiled_on_the_cpu():
-    profile = step_time.profile_host_cpu(width=16, tokens=8, layers=2, steps=1)
+    profile = stack_clocks.profile_host_cpu(width=16, tokens=8, layers=2, steps=1)
     assert set(profile["ms"]) == {"residual", "mhc_reference"}
     assert any("mhc_lab/" in row["function"] for row in profile["functions"])
-    assert not any("step_time.py" in row["function"] for row in profile["functions"])
-    text = step_time.cpu_host_table(profile)
+    assert not any("stack_clocks.py" in row["function"] for row in profile["functions"])
+    text = stack_clocks.cpu_host_table(profile)
     assert "by cumulative time" in text and "by own time" in text
 
 
@@ -241,12 +241,42 @@ def test_the_live_stack_times_each_kind_and_replays_only_the_uncompiled_ones(mon
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a stand-in GPU")
     kinds = ("residual", "mhc_kernels", "mhc_reference", "residual_compiled", "mhc_kernels_compiled")
-    live = step_time.measure_stack_live([(64, 32)], kinds=kinds, layers=2, steps=3, log=lambda line: None)
+    live = stack_clocks.measure_stack_live([(64, 32)], kinds=kinds, layers=2, steps=3, log=lambda line: None)
     (shape,) = live["stack"]["shapes"]
     assert told == [True] and [b[2] for b in built] == ["residual", "mhc_kernels", "residual_compiled",
                                                         "mhc_kernels_compiled"]
     assert replayed == ["residual", "mhc_kernels"] and shape["graph_ms"] == {"residual": 1.0, "mhc_kernels": 1.5}
     assert shape["launched_ms"] == {k: times[k] for k in times} and shape["kernels_per_step"]["mhc_kernels"] == 10
     assert shape["errors"] == {"mhc_reference": "RuntimeError: out of memory"}
-    text = step_time.stack_table(live["stack"])
+    text = stack_clocks.stack_table(live["stack"])
     assert "mHC, fused kernels, compiled" in text and "1.67x" in text  # 2.5 ms over the compiled plain 1.5 ms
+
+
+def test_profile_reading_says_whether_the_added_kernels_filled_the_waits():
+    def step(kernel_ms, idle_ms):
+        return {"wall_ms": kernel_ms + idle_ms, "kernel_ms": kernel_ms, "idle_ms": idle_ms, "launches": 1.0,
+                "kernels": {}}
+
+    block_kernels = {"widths": [
+        {"C": 2560, "tokens": 8, "kind": "mhc_ours", "residual_block": step(10.0, 1.0), "kind_block": step(11.0, 0.4)},
+        {"C": 4096, "tokens": 8, "kind": "copy_floor", "residual_block": step(10.0, 1.0), "kind_block": step(11.0, 1.3)},
+    ]}
+    first, second = step_time.profile_reading(block_kernels).splitlines()
+    assert first.startswith("C = 2560, mHC, ours (chained): the idle time shrank by 0.60 ms")
+    assert second.startswith("C = 4096, copy floor (mHC's bytes): the idle time grew by 0.30 ms")
+
+
+def test_power_cap_reading_groups_the_kernels_by_the_widths_that_slowed_them():
+    def width(C, post_block_ms, kernel2_block_ms):
+        plain = _kernels(gemm=2.0)
+        return {"C": C, "tokens": 16, "kind": "mhc_ours", "residual_block": _step(plain),
+                "kind_block": _step({**_kernels(gemm=2.02), **_kernels(post_cuda_kernel=post_block_ms,
+                                                                      lanes_backward_cuda_post_grad_kernel=kernel2_block_ms,
+                                                                      coefficients_backward_tokens_kernel=0.06)}),
+                "kind_without_layers": _step(_kernels(post_cuda_kernel=0.2, lanes_backward_cuda_post_grad_kernel=0.5,
+                                                      coefficients_backward_tokens_kernel=0.05))}
+
+    reading = step_time.power_cap_reading({"widths": [width(2560, 0.2, 0.5), width(4096, 0.2, 0.6)]})
+    assert reading.splitlines() == ["slowed at every width: pre backward 1: per token",
+                                    "slowed at C = 4096 only: pre backward 2: dx, dphi",
+                                    "slowed at no width: post (the last site)"]

@@ -1,7 +1,7 @@
 """Lab 08 (where a training step's time goes): the H200 case study, read from the recordings that
 ``python -m mhc_lab.bench training`` and ``python -m mhc_lab.bench forward`` write (mhc_lab/recorded/
-training_h200.json and forward_h200.json), and, on a CUDA GPU, the two clocks of a plain block and of a small
-stack of layers measured live (on the CPU, where a tiny stack's host time goes).
+training_h200.json and forward_h200.json), and, on a CUDA GPU, the two clocks of a plain block measured live.
+The training loop's stack of layers is mhc_lab.course.stack_clocks.
 
     load_recorded()                                    both recordings, {"training": ..., "forward": ...}
     copy_floor_overhead(read_C, written_C, ...)        exercise 8.1: the copy floor's extra time and overhead
@@ -9,8 +9,8 @@ stack of layers measured live (on the CPU, where a tiny stack's host time goes).
     instruction_bound(alone_ms, block_ms, threshold)   exercise 8.4: slowed beside the layers' GEMMs or not
     host_per_site(launched_ms, gpu_ms, plain_launched_ms, plain_gpu_ms, layers)
                                                        exercise 8.3: what the host adds per site, host-bound or not
-    floor_table, site_clocks_table, step_profile_table, stack_table, stack_host_table, power_cap_table,
-    bytes_table                                        the lab's tables
+    floor_table, site_clocks_table, step_profile_table, power_cap_table, bytes_table
+                                                       the lab's tables, each with a reading printed from its data
 
 Every figure a table shows is read from the recording it is given (or from a live measurement); the tables
 label nothing themselves: the lab prints each section's recording_label beside it.
@@ -19,24 +19,17 @@ label nothing themselves: the lab prints each section's recording_label beside i
 from __future__ import annotations
 
 import statistics
-import sys
 
 import torch
 
 from mhc_lab.bench.common import N
 from mhc_lab.bench.copy_floor import copy_floor_counts, copy_floor_plan
-from mhc_lab.bench.host import python_profile
-from mhc_lab.bench.stack import PROFILED, STACK_KINDS, plain_of
 from mhc_lab.course.training_recorded import (
     BLOCK_IMPLEMENTATIONS, CHAINED_KERNEL_ELEMENTS, SITE_IMPLEMENTATIONS, kernel_label,
 )
 from mhc_lab.measure import bytes_model, recorded_or_none, recording_label
 
 RECORDINGS = {"training": "training_h200", "forward": "forward_h200"}
-# The H200's SM clock, read with nvidia-smi (docs/kernels.md, section 3): alone, and beside the layers' GEMMs,
-# where the GPU runs at its power cap. The memory clock does not move.
-SM_CLOCK_ALONE_MHZ = 1980
-SM_CLOCK_UNDER_GEMMS_MHZ = (1350, 1680)
 # Kernels shorter than this per step are listed but not read: a few microseconds move by tens of percent
 # between two profiles.
 TOO_SHORT_MS = 0.01
@@ -286,6 +279,20 @@ def step_profile_table(block_kernels: dict | None) -> str:
     return "\n".join(lines)
 
 
+def profile_reading(block_kernels: dict | None) -> str:
+    """A line per profiled pair: whether the idle time shrank (the added kernels ran where the plain step's GPU
+    waited) or grew (they ran beside none of those waits, and the wall grew by more than the kernels)."""
+    out = []
+    for e in (block_kernels or {}).get("widths") or []:
+        plain, other = e["residual_block"], e["kind_block"]
+        idle = other["idle_ms"] - plain["idle_ms"]
+        verdict = (f"shrank by {-idle:.2f} ms: part of the added kernels ran where the plain step's GPU waited"
+                   if idle < 0 else f"grew by {idle:.2f} ms: the added kernels filled none of the plain step's "
+                   "waits, and the wall grew by more than the kernels")
+        out.append(f"C = {e['C']}, {BLOCK_IMPLEMENTATIONS[e['kind']]}: the idle time {verdict}")
+    return "\n".join(out)
+
+
 def clocks_reading(block: dict | None) -> str:
     """A line per width and kind: whether its launched overhead reads below its graph overhead, and by how much
     against the rounds' spread."""
@@ -304,265 +311,6 @@ def clocks_reading(block: dict | None) -> str:
             out.append(f"C = {r['C']}, {BLOCK_IMPLEMENTATIONS[kind]}: launched {lo['median']:+.1f}%, as a graph "
                        f"{go['median']:+.1f}%: {abs(gap):.1f} points {verdict}")
     return "\n".join(out)
-
-
-# ---- section 2, a training loop: a stack of layers on two clocks ----------------------------------------------
-
-# The stack's kinds (mhc_lab.bench.stack.STACK_KINDS) by name; a kind "<known>_<variant>" takes the known kind's
-# label and the variant's, any other kind its own name.
-STACK_LABELS = {"residual": "plain residual", "mhc_kernels": "mHC, fused kernels",
-                "mhc_reference": "mHC, reference (PyTorch)", "mhc_tilekernels": "mHC, TileKernels"}
-STACK_VARIANTS = {"compiled": "compiled", "reduce_overhead": "compiled, reduce-overhead",
-                  "recompute": "recompute"}
-HOST_TOP = 8  # host functions listed per profile
-
-
-def stack_label(kind: str) -> str:
-    """A stack kind's name for the tables: STACK_LABELS, "<known>_<variant>" as both, else the kind itself."""
-    if kind in STACK_LABELS:
-        return STACK_LABELS[kind]
-    for variant, label in STACK_VARIANTS.items():
-        base = kind.removesuffix("_" + variant)
-        if base != kind and base in STACK_LABELS:
-            return f"{STACK_LABELS[base]}, {label}"
-    return kind
-
-
-def stack_kinds(shape: dict) -> list[str]:
-    """The kinds one shape of a stack section measured: those of STACK_KINDS in its order, then any other in the
-    recording's order."""
-    seen = list(dict.fromkeys([*(shape.get("launched_ms") or {}), *(shape.get("gpu_ms") or {}),
-                               *(shape.get("graph_ms") or {})]))
-    return [k for k in STACK_KINDS if k in seen] + [k for k in seen if k not in STACK_KINDS]
-
-
-def _ratio(shape: dict, mode: str, figure: str, kind: str) -> float | None:
-    """A kind's figure over the plain residual's: the section's own ratio (the median of the rounds' ratios for
-    the launched and graph times) where it has one, else the quotient of the two figures (a live measurement)."""
-    recorded = ((shape.get("over_residual") or {}).get(mode) or {}).get(kind)
-    if recorded is not None:
-        return recorded["median"] if isinstance(recorded, dict) else recorded
-    measured = shape.get(figure) or {}
-    ours, plain = measured.get(kind), measured.get(plain_of(kind, measured))
-    return ours / plain if ours is not None and plain else None
-
-
-def stack_rows(stack: dict | None) -> list[dict]:
-    """Per shape of a stack section and kind: launched, GPU and graph ms per step with their ratios to the plain
-    residual, kernels per step; for the mHC kinds what each site adds (GPU ms, kernels) and exercise 8.3's host
-    ms per site; and 8.3's verdict on the launched step (None where a figure is missing)."""
-    rows = []
-    for shape in (stack or {}).get("shapes") or []:
-        launched, gpu = shape.get("launched_ms") or {}, shape.get("gpu_ms") or {}
-        kernels, graph = shape.get("kernels_per_step") or {}, shape.get("graph_ms") or {}
-        layers = shape.get("layers")
-        for kind in stack_kinds(shape):
-            row = {"tokens": shape["tokens"], "C": shape["C"], "n": shape.get("n"), "layers": layers, "kind": kind,
-                   "label": stack_label(kind), "launched_ms": launched.get(kind), "gpu_ms": gpu.get(kind),
-                   "kernels": kernels.get(kind), "graph_ms": graph.get(kind), "launched_ratio": None,
-                   "gpu_ratio": None, "graph_ratio": None, "site_gpu_ms": None, "site_kernels": None,
-                   "host_ms": None, "host_bound": None}
-            plain, is_plain = plain_of(kind, launched), kind.startswith("residual")  # the plain step run alike
-            if not is_plain:
-                row["launched_ratio"] = _ratio(shape, "launched", "launched_ms", kind)
-                row["gpu_ratio"] = _ratio(shape, "gpu", "gpu_ms", kind)
-                row["graph_ratio"] = _ratio(shape, "graph", "graph_ms", kind)
-            if launched.get(kind) is not None and gpu.get(kind) is not None:
-                base = plain if plain in launched and plain in gpu else kind
-                host_ms, row["host_bound"] = host_per_site(launched[kind], gpu[kind], launched[base], gpu[base],
-                                                           layers or 1)
-                if not is_plain and base == plain and layers:
-                    row["host_ms"], row["site_gpu_ms"] = host_ms, (gpu[kind] - gpu[plain]) / layers
-            if not is_plain and layers and kind in kernels and plain in kernels:
-                row["site_kernels"] = (kernels[kind] - kernels[plain]) / layers
-            rows.append(row)
-    return rows
-
-
-def _cell(value, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
-
-
-def stack_table(stack: dict | None) -> str:
-    """Table: a stack of pre-norm MLP layers trained one step at a time, per shape and kind: the step launched
-    from Python (ms, and over the plain residual's), its kernels' GPU time (ms, and over the plain residual's)
-    and count, the step as a CUDA graph (ms, and over the plain residual's), and whether the launched step is
-    host-bound; then per mHC site, what it adds to the plain step's GPU time, kernels and host time (exercise
-    8.3)."""
-    rows = stack_rows(stack)
-    if not rows:
-        return "(no stack measurements)"
-    lines = []
-
-    def step_line(r):
-        lines.append(f"  {r['label'][:46]:<46}{_cell(r['launched_ms'], '.2f', ' ms'):>11}"
-                     f"{_cell(r['launched_ratio'], '.2f', 'x'):>8}{_cell(r['gpu_ms'], '.2f', ' ms'):>11}"
-                     f"{_cell(r['gpu_ratio'], '.2f', 'x'):>8}{_cell(r['kernels'], '.0f'):>9}"
-                     f"{_cell(r['graph_ms'], '.2f', ' ms'):>11}{_cell(r['graph_ratio'], '.2f', 'x'):>8}   "
-                     + ("-" if r["host_bound"] is None else "host-bound" if r["host_bound"] else "GPU-bound"))
-
-    shapes = list(dict.fromkeys((r["tokens"], r["C"]) for r in rows))
-    for k, (tokens, C) in enumerate(shapes):
-        mine = [r for r in rows if (r["tokens"], r["C"]) == (tokens, C)]
-        lanes = f", n = {mine[0]['n']} lanes" if mine[0]["n"] else ""
-        if k:
-            lines.append("")
-        lines.append(f"{tokens} tokens x C = {C}, {mine[0]['layers']} layers{lanes}: one training step")
-        lines.append(f"  {'':<46}{'launched':>19}{'GPU time':>19}{'kernels':>9}{'as a graph':>19}   launched step")
-        for r in mine:
-            step_line(r)
-        sites = [r for r in mine if r["site_gpu_ms"] is not None or r["host_ms"] is not None]
-        if sites:
-            lines.append(f"  {'per site, over the plain residual':<46}{'GPU time':>18}{'kernels':>9}{'host':>11}")
-            for r in sites:
-                lines.append(f"  {r['label'][:46]:<46}{_cell(r['site_gpu_ms'], '+.3f', ' ms'):>18}"
-                             f"{_cell(r['site_kernels'], '+.1f'):>9}{_cell(r['host_ms'], '+.3f', ' ms'):>11}")
-    for shape in (stack or {}).get("shapes") or []:
-        dynamo = shape.get("dynamo")
-        if dynamo:
-            lines.append(f"  torch.compile at {shape['tokens']} x {shape['C']}: {dynamo['unique_graphs']} graphs for "
-                         f"the compiled rows, {dynamo['graph_breaks']} graph breaks, {dynamo['recompiles']} "
-                         "recompilations")
-        for kind, text in (shape.get("errors") or {}).items():
-            lines.append(f"  failed at {shape['tokens']} x {shape['C']}: {kind}: {text[:90]}")
-    lines.append("(x: over the plain residual's figure, the plain residual compiled alike where it was measured;\n"
-                 " compiled: torch.compile, reduce-overhead: its mode that replays CUDA graphs; host-bound: the GPU\n"
-                 " waits for the host for more than half of the launched step; host: the launched time a site adds\n"
-                 " beyond its kernels' GPU time)")
-    return "\n".join(lines)
-
-
-def stack_reading(stack: dict | None) -> str:
-    """A line per shape and mHC kind: its GPU work and kernels per site, the host time per site beyond them, and
-    what the launched step is bound by."""
-    out = []
-    for r in stack_rows(stack):
-        if r["host_ms"] is None or r["site_gpu_ms"] is None:
-            continue
-        kernels = f", {r['site_kernels']:.1f} kernels" if r["site_kernels"] is not None else ""
-        times = f" ({r['host_ms'] / r['site_gpu_ms']:.0f} times its GPU work)" if r["site_gpu_ms"] > 0 \
-            and r["host_ms"] > r["site_gpu_ms"] else ""
-        out.append(f"{r['tokens']} x {r['C']}, {r['label']}: a site is {r['site_gpu_ms']:.3f} ms of GPU work"
-                   f"{kernels}; the host adds {r['host_ms']:+.3f} ms per site{times}; the launched step is "
-                   + ("host-bound" if r["host_bound"] else "GPU-bound"))
-    return "\n".join(out)
-
-
-def host_functions_table(rows: list[dict], key: str = "us", top: int = HOST_TOP) -> str:
-    """The ``top`` host functions of a profile by ``key`` ("us": own time; "cumulative_us": with what they call),
-    per step: time, calls, where."""
-    if not rows:
-        return "  (no host profile)"
-    title = "own time" if key == "us" else "cumulative"
-    lines = [f"  {title:>10}{'calls':>8}  function"]
-    for row in sorted(rows, key=lambda r: -r[key])[:top]:
-        lines.append(f"  {row[key] / 1e3:>7.2f} ms{row['calls']:>8.1f}  {row['function']}")
-    return "\n".join(lines)
-
-
-def stack_host_table(stack: dict | None, key: str = "us", top: int = HOST_TOP) -> str:
-    """Per shape with a host profile (the launched step of the kind the benchmark profiles, PROFILED): the host's
-    wall time per step in the forward (with the loss) and the backward, and its ``top`` functions by ``key`` per
-    step."""
-    lines = []
-    for shape in (stack or {}).get("shapes") or []:
-        host = shape.get("host")
-        if not host:
-            continue
-        rows = host.get("by_own_time" if key == "us" else "by_cumulative_time") or []
-        lines.append(f"{shape['tokens']} x {shape['C']}, {stack_label(PROFILED)}: the host's time per launched "
-                     f"step: forward and loss {host['forward_ms']:.2f} ms, backward {host['backward_ms']:.2f} ms; "
-                     f"Python's functions, per step:")
-        lines.append(host_functions_table(rows, key, top))
-    return "\n".join(lines) or "(no host profile recorded)"
-
-
-# ---- section 2, live: the stack on this machine --------------------------------------------------------------
-
-
-def measure_stack_live(shapes, *, kinds=("residual", "mhc_kernels"), layers: int = 8, steps: int = 20,
-                       log=print) -> dict:
-    """On a CUDA GPU, the stack of mhc_lab.bench.stack at each (tokens, C) of ``shapes``, each of ``kinds``
-    trained one step at a time: launched (wall clock per step over ``steps`` steps, the GPU synchronised at both
-    ends), its kernels' GPU time and count per step (torch.profiler), and its CUDA graph replayed (wall clock per
-    replay, the GPU's time alone; not for a compiled kind, "<kind>_compiled" or "<kind>_reduce_overhead", whose
-    first step compiles it). {"device", "stack": {"shapes": [...]}}, each shape as a recording's; a kind that
-    fails is listed in its shape's "errors"."""
-    from mhc_lab.bench.common import N, graph_replay
-    from mhc_lab.bench.host import wall_ms
-    from mhc_lab.bench.kernels import kernel_times, kernel_totals
-    from mhc_lab.bench.stack import compile_every_stack, compile_mode, stack_step
-
-    if any(compile_mode(kind)[1] for kind in kinds):
-        compile_every_stack()
-    out = []
-    for tokens, C in shapes:
-        shape = {"tokens": tokens, "C": C, "n": N, "layers": layers, "hidden": 4 * C, "launched_ms": {},
-                 "gpu_ms": {}, "kernels_per_step": {}, "graph_ms": {}, "errors": {}}
-        for kind in kinds:
-            try:
-                step = stack_step(C, tokens, kind, layers=layers)
-                step()  # the first step builds the kernels
-                torch.cuda.synchronize()
-                shape["launched_ms"][kind] = wall_ms(step, steps)
-                shape["gpu_ms"][kind], shape["kernels_per_step"][kind] = kernel_totals(kernel_times(step))
-                if compile_mode(kind)[1] is None:
-                    shape["graph_ms"][kind] = wall_ms(graph_replay(step), steps)
-            except Exception as e:  # noqa: BLE001 - shown in the table, the other kinds still measured
-                shape["errors"][kind] = f"{type(e).__name__}: {e}"
-            log(f"  stack {tokens} x {C}, {stack_label(kind)}: measured")
-            step = None
-            torch.cuda.empty_cache()
-        out.append(shape)
-    return {"device": torch.cuda.get_device_name(), "stack": {"shapes": out}}
-
-
-def profile_host_cpu(*, width: int = 64, tokens: int = 32, layers: int = 8, steps: int = 3) -> dict:
-    """On the CPU, the stack of mhc_lab.bench.stack, tiny (``tokens`` x ``width``, bf16), plain and as
-    MHCResidualStream with the reference backend, trained one step at a time: ms per step of each (wall clock
-    over ``steps`` steps), and cProfile over ``steps`` steps of the mHC stack: per step, each Python function's
-    own and cumulative time and calls. Here the host does all the work, so the profile is the whole step."""
-    import time
-
-    from mhc_lab.bench.stack import Stack
-
-    out = {"tokens": tokens, "C": width, "layers": layers, "steps": steps, "ms": {}}
-    for kind in ("residual", "mhc_reference"):
-        torch.manual_seed(0)
-        stack = Stack(width, layers, kind)
-        h = torch.randn(1, tokens, width, dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(1, tokens, width, dtype=torch.bfloat16)
-
-        def step():
-            h.grad = None
-            stack.zero_grad(set_to_none=True)
-            (stack(h) * w).sum().backward()
-
-        step()  # warm-up
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        out["ms"][kind] = (time.perf_counter() - start) / steps * 1e3
-    rows = python_profile(step, steps, top=sys.maxsize, synchronize=False)["by_own_time"]
-    out["functions"] = [row for row in rows if not row["function"].endswith(f"({step.__name__})")
-                        or "step_time.py" not in row["function"]]  # step() is ours
-    return out
-
-
-def cpu_host_table(profile: dict, top: int = HOST_TOP) -> str:
-    """profile_host_cpu's result: the two stacks' ms per step, then the mHC stack's functions per step by
-    cumulative time (with what they call) and by own time."""
-    ms = profile["ms"]
-    per_site = (ms["mhc_reference"] - ms["residual"]) / profile["layers"]
-    label = stack_label("mhc_reference")
-    return "\n".join([
-        f"{profile['tokens']} tokens x C = {profile['C']}, {profile['layers']} layers, on the CPU: "
-        f"{stack_label('residual')} {ms['residual']:.1f} ms per step, {label} {ms['mhc_reference']:.1f} ms: "
-        f"{per_site:+.2f} ms per site",
-        f"{label}: Python's functions per step, by cumulative time (with what they call):",
-        host_functions_table(profile["functions"], "cumulative_us", top),
-        "and by own time:",
-        host_functions_table(profile["functions"], "us", top)])
 
 
 # ---- section 3: the power cap ----------------------------------------------------------------------------------
@@ -589,13 +337,6 @@ def own_kernels(entry: dict) -> list[dict]:
         rows.append({"kernel": name, "block_ms": v["ms"], "alone_ms": alone[name]["ms"], "launches": v["launches"],
                      "ratio": v["ms"] / alone[name]["ms"]})
     return sorted(rows, key=lambda r: -r["block_ms"])
-
-
-def clock_bounds() -> tuple[float, float]:
-    """How much slower a kernel paced by its instructions alone would run at the capped SM clock: the clock's
-    ratio, (least, most)."""
-    low, high = SM_CLOCK_UNDER_GEMMS_MHZ
-    return SM_CLOCK_ALONE_MHZ / high, SM_CLOCK_ALONE_MHZ / low
 
 
 def power_cap_rows(block_kernels: dict | None) -> list[dict]:
@@ -632,6 +373,26 @@ def power_cap_table(block_kernels: dict | None) -> str:
             lines.append(f"  {kernel_name(k['kernel'])[:36]:<36}{k['alone_ms']:>13.3f} ms{k['block_ms']:>11.3f} ms"
                          f"{k['ratio']:>7.3f}x   {k['verdict']}")
     return "\n".join(lines)
+
+
+def power_cap_reading(block_kernels: dict | None) -> str:
+    """mHC's own kernels grouped by the widths at which the power cap slowed them (exercise 8.4's verdict)."""
+    rows = power_cap_rows(block_kernels)
+    widths = [r["C"] for r in rows]
+    slowed_at: dict[str, list[int]] = {}
+    for r in rows:
+        for k in r["kernels"]:
+            if k["verdict"] != "too short to read":
+                slowed_at.setdefault(kernel_name(k["kernel"]), [])
+                if k["verdict"].startswith("slowed"):
+                    slowed_at[kernel_name(k["kernel"])].append(r["C"])
+    groups: dict[str, list[str]] = {}
+    for name, at in slowed_at.items():
+        where = ("at every width" if at == widths else "at no width" if not at
+                 else "at C = " + " and ".join(str(C) for C in at) + " only")
+        groups.setdefault(where, []).append(name)
+    order = ["at every width"] + sorted(w for w in groups if w.endswith("only")) + ["at no width"]
+    return "\n".join(f"slowed {where}: {'; '.join(groups[where])}" for where in order if where in groups)
 
 
 # ---- section 4: bytes against instructions ---------------------------------------------------------------------
