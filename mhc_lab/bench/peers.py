@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -133,13 +134,19 @@ def liger() -> Site:
 def _transformer_engine_mhc():
     """TE's transformer_engine/pytorch/triton/mhc.py loaded without TE's compiled core: the package's own
     __init__ loads that core, so the two mhc modules are loaded by path under stand-in packages, and
-    cpp_extensions.gemm.general_gemm (its one cuBLAS call) is torch.matmul."""
+    cpp_extensions.gemm.general_gemm (its one cuBLAS call) is torch.matmul. Where the package without its core
+    would break other imports (an installed but empty transformer-engine raises on import, which other libraries'
+    optional imports do not expect), its files can live outside the import path:
+    MHC_LAB_TRANSFORMER_ENGINE_SOURCE names their folder."""
     if "mhc_lab_te_mhc" in sys.modules:
         return sys.modules["mhc_lab_te_mhc"]
-    spec = importlib.util.find_spec("transformer_engine")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("transformer_engine is not installed")
-    root = list(spec.submodule_search_locations)[0]
+    root = os.environ.get("MHC_LAB_TRANSFORMER_ENGINE_SOURCE")
+    if root is None:
+        spec = importlib.util.find_spec("transformer_engine")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError("transformer_engine is not installed (or set MHC_LAB_TRANSFORMER_ENGINE_SOURCE "
+                                      "to the folder of its Python files)")
+        root = list(spec.submodule_search_locations)[0]
 
     def package(name, path=None):
         module = types.ModuleType(name)
@@ -260,9 +267,10 @@ class _TileKernelsPre(torch.autograd.Function):
         pre = torch.empty(S, T, n, 1, dtype=torch.float32, device=x.device)
         post = torch.empty_like(pre)
         comb = torch.empty(S, T, n, n, dtype=torch.float32, device=x.device)
-        tk.mhc_pre_split_mixes_fwd(mixes, scale, base, pre, post, comb, 2.0, EPS)
+        tk.mhc_pre_split_mixes_fwd(mixes.view(tokens, m), scale, base, pre.view(tokens, n), post.view(tokens, n),
+                                   comb.view(tokens, n * n), 2.0, EPS)
         res = torch.empty_like(comb)
-        tk.mhc_sinkhorn_fwd(comb, res, SINKHORN_ROUNDS, EPS)
+        tk.mhc_sinkhorn_fwd(comb.view(tokens, n, n), res.view(tokens, n, n), SINKHORN_ROUNDS, EPS)
         y = torch.empty(S, T, C, dtype=x.dtype, device=x.device)
         tk.mhc_pre_apply_mix_fwd(x.view(tokens, n, C), pre.view(tokens, n), y.view(tokens, C))
         ctx.save_for_backward(x, phi, scale, base, mul, sq, mixes, pre, post, comb)
@@ -279,13 +287,16 @@ class _TileKernelsPre(torch.autograd.Function):
         dpre = tk.mhc_pre_apply_mix_bwd(dy.contiguous().view(tokens, C), x.view(tokens, n, C),
                                         pre.view(tokens, n), dx)
         dcomb = torch.empty_like(comb)
-        tk.mhc_sinkhorn_bwd(dres.contiguous(), comb, dcomb, SINKHORN_ROUNDS, EPS)
-        dmixes = torch.empty_like(mixes)
+        tk.mhc_sinkhorn_bwd(dres.contiguous().view(tokens, n, n), comb.view(tokens, n, n), dcomb.view(tokens, n, n),
+                            SINKHORN_ROUNDS, EPS)
+        m = mul.shape[-1]
+        dmixes = torch.empty(tokens, m, dtype=torch.float32, device=x.device)
         dscale, dbase = torch.empty_like(scale), torch.empty_like(base)
-        tk.mhc_pre_split_mixes_bwd(dpre.view(S, T, n, 1), dpost.contiguous(), dcomb, mixes, post, scale, base,
-                                   dmixes, dscale, dbase, 2.0)
+        tk.mhc_pre_split_mixes_bwd(dpre.view(tokens, n), dpost.contiguous().view(tokens, n),
+                                   dcomb.view(tokens, n * n), mixes.view(tokens, m), post.view(tokens, n), scale,
+                                   base, dmixes, dscale, dbase, 2.0)
         dmul, dsq = torch.empty_like(mul), torch.empty_like(sq)
-        tk.mhc_reduce_partials_and_rmsnorm_bwd(dmixes.view(tokens, m := mul.shape[-1]), mul, sq, dmul, dsq, K, EPS)
+        tk.mhc_reduce_partials_and_rmsnorm_bwd(dmixes, mul, sq, dmul, dsq, K, EPS)
         xf = x.reshape(tokens, K).float()
         dmul2 = dmul.view(tokens, m)
         dphi = dmul2.t() @ xf
