@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_flatten
 from mhc_lab.bench.copy_floor import residual_elements
 from mhc_lab.course.training_recorded import (  # noqa: F401 (lab 07 reads the recording through training_lab)
     BLOCK_IMPLEMENTATIONS, RECORDING, SITE_IMPLEMENTATIONS, block_breakdown_table, block_figure, block_overheads,
-    block_table, floor_inputs, floor_kernels_table, load_recorded, measure_live, section, section_label, site_table,
+    block_table, breakdown_reading, clocks_reading, floor_inputs, floor_kernel_rows, floor_kernels_reading,
+    floor_kernels_table, load_recorded, measure_live, section, section_label, site_table,
 )
 from mhc_lab.measure import bytes_model
 from mhc_lab.measure import recording_label, synchronize, time_fn  # noqa: F401 (labs use recording_label)
