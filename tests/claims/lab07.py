@@ -134,6 +134,10 @@ CLAIMS = [
     Claim("the kernels that only stream (the post, its backward, the lane mix, the dH_pre stream) run at it; those "
           "above it do a matrix product per tile (kernel 2, the post + projection, the first site's projection)",
           _floor_kernels_split),
+    Claim("Lab 08's recorded stack of layers at that size takes about twice its GPU time when launched op by op",
+          lambda r: all(1.5 <= s["launched_ms"][k] / s["gpu_ms"][k] <= 2.5 for s in _part(r, "stack")["shapes"]
+                        if (s["tokens"], s["C"]) == (4096, 768) for k in ("residual", "mhc_kernels"))
+          and any((s["tokens"], s["C"]) == (4096, 768) for s in _part(r, "stack")["shapes"])),
     Claim("The overhead floor at C = 2560 was higher than at C = 4096", lambda r: _floor_pct(r, 2560) > _floor_pct(r, 4096)),
     Claim("the copy floor's copies take more kernel time per step than the floor adds to the block's wall time, and "
           "the plain block's GPU sits idle for part of every step", _copies_exceed_added_wall),
