@@ -4,6 +4,7 @@ and (from mhc_lab.course.training_recorded) the views of the H200 training bench
 
     normalize_step_backward(p, grad_q, dim, eps)      one Sinkhorn normalisation step, backward
     norm_scale_backward(x, grad_inv_r, rms_eps)       the norm's scale 1/r of the flattened lanes, backward
+    curves_reading(runs)                              whether the loss figure can tell mHC from the residual
     activation_memory(model, step)                    bytes kept between forward and backward, and the peak
     StreamLM(...)                                     a byte-level transformer: residual, or mHC lanes
     load_recorded(), section(...), site_table(...)    mhc_lab/recorded/training_h200.json, section by section

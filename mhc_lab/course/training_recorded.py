@@ -278,8 +278,9 @@ def breakdown_reading(block_kernels: dict | None, kind: str = "mhc_ours") -> str
     lines = []
     for r in _entries(block_kernels, kind):
         plain, other, c = r["residual_block"], r["kind_block"], r["comparison"]
-        lines.append(f"C = {r['C']}: the {BLOCK_IMPLEMENTATIONS[kind]} step is {other['wall_ms'] - plain['wall_ms']:.2f}"
-                     f" ms longer than the plain one: mHC's own kernels +{c['only_other_ms']:.2f} ms, the plain "
+        lines.append(f"C = {r['C']}: the {BLOCK_IMPLEMENTATIONS[kind]} step is "
+                     f"{other['wall_ms'] - plain['wall_ms']:.2f} ms longer than the plain one: mHC's own kernels "
+                     f"+{c['only_other_ms']:.2f} ms, the plain "
                      f"block's own (its residual adds) -{c['only_base_ms']:.2f} ms, the kernels both launch "
                      f"{c['shared_other_ms'] - c['shared_base_ms']:+.2f} ms, the GPU's idle time "
                      f"{other['idle_ms'] - plain['idle_ms']:+.2f} ms")

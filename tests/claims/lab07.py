@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from claims import Claim, Recordings
+from mhc_lab.bench.copy_floor import copy_floor_counts, copy_floor_plan
 from mhc_lab.course import training_lab
 from mhc_lab.measure import bytes_model
 
@@ -50,7 +51,8 @@ def _site_fastest(r: Recordings) -> bool:
     for shape in _part(r, "site")["shapes"]:
         for clock in ("graph_ms", "launched_ms"):
             t = shape[clock]
-            if not t["ours_chained"] < t["ours_linked"] < t["ours_separate"] or not t["ours_chained"] < t["tilekernels"]:
+            ordered = t["ours_chained"] < t["ours_linked"] < t["ours_separate"]
+            if not ordered or not t["ours_chained"] < t["tilekernels"]:
                 return False
     return True
 
@@ -84,7 +86,8 @@ def _floor_kernels_split(r: Recordings) -> bool:
 def _copies_exceed_added_wall(r: Recordings) -> bool:
     for e in (e for e in _part(r, "block_kernels")["widths"] if e["kind"] == "copy_floor"):
         copies = e["kind_block"]["kernels"]["Memcpy DtoD (Device -> Device)"]["ms"]
-        if not copies > e["kind_block"]["wall_ms"] - e["residual_block"]["wall_ms"] or e["residual_block"]["idle_ms"] <= 0:
+        added = e["kind_block"]["wall_ms"] - e["residual_block"]["wall_ms"]
+        if not copies > added or e["residual_block"]["idle_ms"] <= 0:
             return False
     return True
 
@@ -103,6 +106,11 @@ CLAIMS = [
     Claim("In the backward they move more than the least in two places",
           lambda r: _per_C("ours_chained", "backward") - bytes_model.post_gradient_saving(N)
           > _per_C("mhc_minimal", "backward")),
+    Claim("apply H_resᵀ itself, 42C per chained site",
+          lambda r: _per_C("ours_chained", "forward") + _per_C("ours_chained", "backward")
+          - bytes_model.post_gradient_saving(N) == 42),
+    Claim("76C per token beyond the residual's, as 11 copies per step",
+          lambda r: [sum(counts := copy_floor_counts(copy_floor_plan(N))), len(counts)] == [76, 11]),
     Claim("Here the two clocks agree within 3% for every site and block", lambda r: _clocks_apart(r) < 0.03),
     Claim("Chained sites are the fastest of our three designs, and faster than TileKernels at every shape",
           _site_fastest),
@@ -115,7 +123,8 @@ CLAIMS = [
     Claim("They take more than all of the chained step's extra time",
           lambda r: all(e["comparison"]["only_other_ms"] >= e["kind_block"]["wall_ms"] - e["residual_block"]["wall_ms"]
                         for e in _part(r, "block_kernels")["widths"] if e["kind"] == "mhc_ours")),
-    Claim("the kernels both blocks launch (the layers' matrix products, attention, the norms) take no longer beside them",
+    Claim("the kernels both blocks launch (the layers' matrix products, attention, the norms) take no longer beside "
+          "them",
           lambda r: all(e["comparison"]["shared_other_ms"] <= e["comparison"]["shared_base_ms"]
                         for e in _part(r, "block_kernels")["widths"] if e["kind"] == "mhc_ours")),
     Claim("The kernels both blocks launch move by up to 4% between the two blocks with no cause",
@@ -138,7 +147,8 @@ CLAIMS = [
           lambda r: all(1.5 <= s["launched_ms"][k] / s["gpu_ms"][k] <= 2.5 for s in _part(r, "stack")["shapes"]
                         if (s["tokens"], s["C"]) == (4096, 768) for k in ("residual", "mhc_kernels"))
           and any((s["tokens"], s["C"]) == (4096, 768) for s in _part(r, "stack")["shapes"])),
-    Claim("The overhead floor at C = 2560 was higher than at C = 4096", lambda r: _floor_pct(r, 2560) > _floor_pct(r, 4096)),
+    Claim("The overhead floor at C = 2560 was higher than at C = 4096",
+          lambda r: _floor_pct(r, 2560) > _floor_pct(r, 4096)),
     Claim("the copy floor's copies take more kernel time per step than the floor adds to the block's wall time, and "
           "the plain block's GPU sits idle for part of every step", _copies_exceed_added_wall),
 ]
