@@ -145,8 +145,9 @@ def test_floor_kernels_table_puts_each_own_kernel_against_its_bytes_at_the_copie
     chained["kind_block"]["kernels"]["lanes_backward_cuda_post_grad_kernel"]["launches"] = 2
     lines = floor_kernels_table({"widths": [chained, floor]}).splitlines()
     assert lines[0].endswith("for 76C per token (4.00 TB/s in the block)")
+    assert lines[2].startswith("  pre backward 2: dx, dphi")  # the kernel's plain name, not the profiler's
     k2 = lines[2].split()
-    assert k2[0] == "lanes_backward_cuda_post_grad" and k2[2:] == ["2", "13C", f"{k2_ms - 0.5:.3f}", "0.500"]
+    assert k2[-5:] == [f"{k2_ms:.3f}", "2", "13C", f"{k2_ms - 0.5:.3f}", "0.500"]
     assert lines[3].split()[-3:] == ["-", "0.000", "0.250"]
     assert lines[4].split()[-1] == "0.750"
     assert floor_kernels_table({"widths": [chained]}) == "(no copy floor breakdown recorded)"
@@ -169,3 +170,78 @@ def test_designs_table_gives_the_chained_site_with_and_without_the_post_gradient
     assert handed == [chained[0], chained[1] - n, chained[2] - n]
     if n == 4:
         assert (chained[2], handed[2]) == (46, 42)
+
+
+def _floor_and_chained(C=100, tokens=1000, beyond=None):
+    """A copy floor whose copies run at 4 TB/s, and a chained block whose own kernels take their bytes at that pace
+    plus ``beyond`` ms each."""
+    from mhc_lab.course.training_recorded import CHAINED_KERNEL_ELEMENTS, COPY_KERNEL
+
+    pace = 4e12
+    floor = {"C": C, "tokens": tokens, "kind": "copy_floor", "residual_block": _step(10.0, {"gemm": 9.0}),
+             "kind_block": _step(11.0, {"gemm": 9.0, COPY_KERNEL: 76 * C * 2 * tokens / pace * 1e3})}
+    own = {name: CHAINED_KERNEL_ELEMENTS[name] * C * 2 * tokens / pace * 1e3 + extra for name, extra in beyond.items()}
+    chained = {"C": C, "tokens": tokens, "kind": "mhc_ours", "residual_block": _step(10.0, {"gemm": 9.0}),
+               "kind_block": _step(11.0, {"gemm": 9.0, **own, "token_coefficients_kernel": 0.02})}
+    return {"widths": [chained, floor]}
+
+
+def test_floor_kernels_reading_sorts_the_kernels_by_their_distance_from_the_copies_pace():
+    """Within 10% of its time beyond its bytes at the copies' pace: at that pace; more: above it, by how much; the
+    small kernels, which move no lane-wide bytes, summed. Each by its plain name."""
+    reading = training_lab.floor_kernels_reading(_floor_and_chained(
+        beyond={"post_backward_without_dx_kernel": -0.001, "lanes_backward_cuda_post_grad_kernel": 0.1}))
+    near, above = reading.split("; above it: ")
+    assert near.startswith("C = 100: at their bytes' pace (within 10%): post backward") and "pre backward 2" not in near
+    assert above.startswith("pre backward 2: dx, dphi (+0.100 ms,") and "post backward" not in above
+    assert reading.endswith("the small kernels, no lane-wide bytes: 0.020 ms")
+    assert training_lab.floor_kernels_reading(None) == "(no copy floor breakdown recorded)"
+
+
+def test_breakdown_reading_splits_the_extra_wall_time():
+    """The mHC step's extra wall time = its own kernels - the plain block's own + the shared kernels' change + the
+    change of idle time."""
+    plain = {"gemm": 10.0, "add": 0.5}
+    chained = {"gemm": 10.2, "lanes_kernel": 1.2}
+    entry = {"C": 64, "tokens": 128, "kind": "mhc_ours", "residual_block": _step(12.0, plain),
+             "kind_block": _step(13.0, chained), "comparison": compare_kernel_times(plain, chained, top=4)}
+    line = training_lab.breakdown_reading({"widths": [entry]})
+    assert line == ("C = 64: the mHC, ours (chained) step is 1.00 ms longer than the plain one: mHC's own kernels "
+                    "+1.20 ms, the plain block's own (its residual adds) -0.50 ms, the kernels both launch +0.20 ms, "
+                    "the GPU's idle time +0.10 ms")
+
+
+def test_clocks_reading_names_the_farthest_pair_of_each_part():
+    site = _site({"ours_chained": 1.0, "tilekernels": 3.0}, {"ours_chained": 1.1, "tilekernels": 3.03})
+    block = _block(residual=[10.0, 10.0, 10.0], mhc_ours=[11.0, 11.0, 11.0])  # as graphs 1 ms less each
+    site_line, block_line = training_lab.clocks_reading(site, block).splitlines()
+    assert site_line.startswith("launched against as a CUDA graph, every site: at most 10.0% apart (ours, chained, "
+                                "16384 x 4096: 1.10 against 1.00 ms)")
+    assert "every block: at most 11.1% apart (plain residual, C = 64: 10.00 against 9.00 ms)" in block_line
+    assert training_lab.clocks_reading(None, None) == "(no timings on both clocks)"
+
+
+def _runs(**losses):
+    return {name: {"loss": list(values)} for name, values in losses.items()}
+
+
+def test_curves_reading_tells_a_gap_from_the_curves_wiggle():
+    """Apart only when the mean gap on the same batches over the last quarter exceeds the plotted curve's wiggle
+    (the residual's spread over those steps over sqrt(5) for the mean of 5 the figure draws)."""
+    import statistics
+
+    residual = [3.0, 2.0] * 20  # last 10 steps: spread about 0.53, wiggle about 0.24
+    wiggle = statistics.stdev(residual[-10:]) / 5 ** 0.5
+    close = training_lab.curves_reading(_runs(residual=residual, mhc=[v + 0.5 * wiggle for v in residual]))
+    assert "too close to tell apart" in close and close.endswith("the figure cannot tell mHC from the residual")
+    far = training_lab.curves_reading(_runs(residual=residual, mhc=[v - 2 * wiggle for v in residual]))
+    assert f"{-2 * wiggle:+.4f} nats per byte" in far and ": apart" in far
+    assert far.endswith("mHC and the residual train apart")
+
+
+def test_kernel_labels_are_plain_names_for_our_kernels():
+    from mhc_lab.course.training_recorded import CHAINED_KERNEL_ELEMENTS, KERNEL_NAMES, kernel_label
+
+    assert set(CHAINED_KERNEL_ELEMENTS) <= set(KERNEL_NAMES)
+    for name, plain in KERNEL_NAMES.items():
+        assert kernel_label(name) == plain != name.removesuffix("_kernel")

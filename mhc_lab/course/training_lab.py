@@ -3,7 +3,8 @@ bytes of each pass, measuring what a forward keeps for its backward, a language 
 and (from mhc_lab.course.training_recorded) the views of the H200 training benchmark.
 
     normalize_step_backward(p, grad_q, dim, eps)      one Sinkhorn normalisation step, backward
-    norm_scale_backward(x, grad_r, rms_eps)           the RMS scale r of the flattened lanes, backward
+    norm_scale_backward(x, grad_inv_r, rms_eps)       the norm's scale 1/r of the flattened lanes, backward
+    curves_reading(runs)                              whether the loss figure can tell mHC from the residual
     activation_memory(model, step)                    bytes kept between forward and backward, and the peak
     StreamLM(...)                                     a byte-level transformer: residual, or mHC lanes
     load_recorded(), section(...), site_table(...)    mhc_lab/recorded/training_h200.json, section by section
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 from typing import Callable, Sequence
 
 import torch
@@ -26,7 +28,8 @@ from torch.utils._pytree import tree_flatten
 from mhc_lab.bench.copy_floor import residual_elements
 from mhc_lab.course.training_recorded import (  # noqa: F401 (lab 07 reads the recording through training_lab)
     BLOCK_IMPLEMENTATIONS, RECORDING, SITE_IMPLEMENTATIONS, block_breakdown_table, block_figure, block_overheads,
-    block_table, floor_inputs, floor_kernels_table, load_recorded, measure_live, section, section_label, site_table,
+    block_table, breakdown_reading, clocks_reading, floor_inputs, floor_kernel_rows, floor_kernels_reading,
+    floor_kernels_table, load_recorded, measure_live, section, section_label, site_table,
 )
 from mhc_lab.measure import bytes_model
 from mhc_lab.measure import recording_label, synchronize, time_fn  # noqa: F401 (labs use recording_label)
@@ -48,14 +51,15 @@ def normalize_step_backward(p: torch.Tensor, grad_q: torch.Tensor, dim: int, eps
     return (grad_q - (grad_q * q).sum(dim=dim, keepdim=True)) / s
 
 
-def norm_scale_backward(x: torch.Tensor, grad_r: torch.Tensor, rms_eps: float = 1e-6) -> torch.Tensor:
-    """dL/dx through the RMS scale of the flattened lanes, r = (sum(x^2) / (n C) + rms_eps)^(-1/2).
+def norm_scale_backward(x: torch.Tensor, grad_inv_r: torch.Tensor, rms_eps: float = 1e-6) -> torch.Tensor:
+    """dL/dx through the norm's scale 1/r of the flattened lanes, r = sqrt(sum(x^2) / (n C) + rms_eps) their RMS.
 
-    x [..., n, C], grad_r [..., 1] (one number per token). ds = -r^3 / (2 n C) dr, then dx = 2 ds x."""
+    x [..., n, C], grad_inv_r [..., 1] (dL/d(1/r), one number per token). With s = sum(x^2):
+    ds = -d(1/r) / (2 n C r^3), then dx = 2 ds x."""
     k = x.shape[-2] * x.shape[-1]
     s = x.pow(2).sum(dim=(-2, -1), keepdim=True)
-    r = torch.rsqrt(s / k + rms_eps)
-    ds = -0.5 * r.pow(3) / k * grad_r.unsqueeze(-1)
+    r = torch.sqrt(s / k + rms_eps)
+    ds = -grad_inv_r.unsqueeze(-1) / (2 * k * r.pow(3))
     return 2 * ds * x
 
 
@@ -462,6 +466,29 @@ def eq20_figure(n: int, layers: int):
 
 
 # ---- training three ways -----------------------------------------------------------------------------------
+
+
+def curves_reading(runs: dict, smooth: int = 5) -> str:
+    """Whether the loss figure can tell each run from the residual one: over the last quarter of the steps (at
+    least ``smooth``), each run's mean loss less the residual's on the same batches, against the wiggle of the
+    plotted curve (the residual's standard deviation over those steps, over sqrt(smooth) for the mean of
+    ``smooth`` the figure draws)."""
+    base = runs["residual"]["loss"]
+    k = max(smooth, len(base) // 4)
+    wiggle = statistics.stdev(base[-k:]) / math.sqrt(smooth)
+    lines = [f"mean loss of the last {k} steps: "
+             + ", ".join(f"{name} {statistics.fmean(run['loss'][-k:]):.3f}" for name, run in runs.items())]
+    apart = []
+    for name, run in runs.items():
+        if name == "residual":
+            continue
+        gap = statistics.fmean(a - b for a, b in zip(run["loss"][-k:], base[-k:]))
+        apart.append(abs(gap) > wiggle)
+        lines.append(f"{name} less residual, step by step: {gap:+.4f} nats per byte, against the plotted curves' "
+                     f"wiggle of {wiggle:.4f}: " + ("apart" if apart[-1] else "too close to tell apart"))
+    lines.append(f"after {len(base)} steps: " + ("the figure cannot tell mHC from the residual" if not any(apart)
+                                                 else "mHC and the residual train apart"))
+    return "\n".join(lines)
 
 
 def loss_figure(runs: dict, title: str, smooth: int = 5):

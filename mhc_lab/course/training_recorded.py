@@ -143,8 +143,28 @@ def block_figure(block: dict | None, label: str):
     return fig
 
 
+# What each of the chained block's own kernels does, by its name in the profiler (mhc_lab.kernels; docs/kernels.md
+# has each one's plan): the names the tables print.
+KERNEL_NAMES = {
+    "lanes_backward_cuda_post_grad_kernel": "pre backward 2: dx, dphi",
+    "post_backward_without_dx_kernel": "post backward",
+    "post_project_cuda_kernel": "post + next projection",
+    "mix_lanes_kernel": "pre apply: lane mix",
+    "post_cuda_kernel": "post (the last site)",
+    "dpre_reduce_kernel": "pre backward 1: dH_pre stream",
+    "project_kernel": "pre projection (the first site)",
+    "coefficients_backward_tokens_kernel": "pre backward 1: per token",
+    "pre_backward_sums_kernel": "pre backward: parameter sums",
+    "token_coefficients_kernel": "pre apply: coefficients",
+    "phi_split_kernel": "phi into bf16 hi + lo",
+}
+
+
 def kernel_label(name: str) -> str:
-    """A profiler's kernel name, short: ours without the "_kernel" suffix, PyTorch's by its function name."""
+    """A profiler's kernel name for the tables: what it does (KERNEL_NAMES) where known; else ours without the
+    "_kernel" suffix, PyTorch's by its function name."""
+    if name in KERNEL_NAMES:
+        return KERNEL_NAMES[name]
     if name.startswith("void at::native::"):
         return "torch " + name[len("void at::native::"):].split("<")[0]
     return name.removesuffix("_kernel")
@@ -187,12 +207,13 @@ CHAINED_KERNEL_ELEMENTS = {"lanes_backward_cuda_post_grad_kernel": 13, "post_bac
 COPY_KERNEL = "Memcpy DtoD (Device -> Device)"
 
 
-def floor_kernels_table(block_kernels: dict | None) -> str:
-    """Per width: the copy floor's copies (their pace in the block), then each of the chained block's own kernels:
-    time per step, launches, the lane-wide elements per token it moves (CHAINED_KERNEL_ELEMENTS; none for the
-    small ones), that many bytes at the copies' pace, and the rest."""
+def floor_kernel_rows(block_kernels: dict | None) -> list[dict]:
+    """Per width: the copy floor's copies (ms, lane-wide elements per token, their pace in the block in TB/s) and
+    each of the chained block's own kernels, longest first: time per step, launches, the lane-wide elements per
+    token it moves per launch (CHAINED_KERNEL_ELEMENTS; 0 for the small ones), that many bytes at the copies' pace
+    (ms), and the rest ("beyond")."""
     floors = {e["C"]: e for e in _entries(block_kernels, "copy_floor")}
-    lines = []
+    out = []
     for chained in _entries(block_kernels, "mhc_ours"):
         C, tokens, floor = chained["C"], chained["tokens"], floors.get(chained["C"])
         if not floor or COPY_KERNEL not in floor["kind_block"]["kernels"]:
@@ -200,21 +221,93 @@ def floor_kernels_table(block_kernels: dict | None) -> str:
         copies = floor["kind_block"]["kernels"][COPY_KERNEL]["ms"]
         moved = sum(copy_floor_counts(copy_floor_plan(4)))
         pace = moved * C * 2 * tokens / (copies * 1e-3) / 1e12  # TB/s
-        lines.append(f"C = {C}, {tokens} tokens: the copy floor's copies {copies:.3f} ms for {moved}C per token "
-                     f"({pace:.2f} TB/s in the block)")
+        plain = chained["residual_block"]["kernels"]
+        kernels = []
+        for name, v in sorted(((k, v) for k, v in chained["kind_block"]["kernels"].items() if k not in plain),
+                              key=lambda kv: -kv[1]["ms"]):
+            elements = CHAINED_KERNEL_ELEMENTS.get(name, 0)
+            at_pace = elements * v["launches"] * C * 2 * tokens / (pace * 1e12) * 1e3
+            kernels.append({"kernel": name, "ms": v["ms"], "launches": v["launches"], "elements": elements,
+                            "at_pace_ms": at_pace, "beyond_ms": v["ms"] - at_pace})
+        out.append({"C": C, "tokens": tokens, "copies_ms": copies, "moved": moved, "pace_tbs": pace,
+                    "kernels": kernels})
+    return out
+
+
+def floor_kernels_table(block_kernels: dict | None) -> str:
+    """Per width: the copy floor's copies (their pace in the block), then each of the chained block's own kernels:
+    time per step, launches, the lane-wide elements per token it moves (none for the small ones), that many bytes
+    at the copies' pace, and the rest."""
+    lines = []
+    for w in floor_kernel_rows(block_kernels):
+        lines.append(f"C = {w['C']}, {w['tokens']} tokens: the copy floor's copies {w['copies_ms']:.3f} ms for "
+                     f"{w['moved']}C per token ({w['pace_tbs']:.2f} TB/s in the block)")
         head = "the chained block's own kernels"
         lines.append(f"  {head:<38}{'ms':>7}{'launches':>9}{'moves':>7}{'at that pace':>13}{'beyond':>8}")
-        plain = chained["residual_block"]["kernels"]
-        own = {k: v for k, v in chained["kind_block"]["kernels"].items() if k not in plain}
-        total = beyond_total = 0.0
-        for name, v in sorted(own.items(), key=lambda kv: -kv[1]["ms"]):
-            per_launch = CHAINED_KERNEL_ELEMENTS.get(name, 0)
-            at_pace = per_launch * v["launches"] * C * 2 * tokens / (pace * 1e12) * 1e3
-            total, beyond_total = total + v["ms"], beyond_total + v["ms"] - at_pace
-            lines.append(f"  {kernel_label(name)[:38]:<38}{v['ms']:>7.3f}{v['launches']:>9.0f}"
-                         f"{f'{per_launch}C' if per_launch else '-':>7}{at_pace:>13.3f}{v['ms'] - at_pace:>8.3f}")
-        lines.append(f"  {'all':<38}{total:>7.3f}{'':>9}{'':>7}{total - beyond_total:>13.3f}{beyond_total:>8.3f}")
+        for k in w["kernels"]:
+            moves = f"{k['elements']}C" if k["elements"] else "-"
+            lines.append(f"  {kernel_label(k['kernel'])[:38]:<38}{k['ms']:>7.3f}{k['launches']:>9.0f}{moves:>7}"
+                         f"{k['at_pace_ms']:>13.3f}{k['beyond_ms']:>8.3f}")
+        total, beyond = sum(k["ms"] for k in w["kernels"]), sum(k["beyond_ms"] for k in w["kernels"])
+        lines.append(f"  {'all':<38}{total:>7.3f}{'':>9}{'':>7}{total - beyond:>13.3f}{beyond:>8.3f}")
     return "\n".join(lines) if lines else "(no copy floor breakdown recorded)"
+
+
+AT_PACE = 0.10  # a kernel within this share of its time of its bytes at the copies' pace streams at that pace
+
+
+def floor_kernels_reading(block_kernels: dict | None, at_pace: float = AT_PACE) -> str:
+    """floor_kernels_table in words, per width: which of the chained block's own kernels that move lane-wide
+    bytes run at the copies' pace (their "beyond" within ``at_pace`` of their time), which run above it and by
+    how much, and what the small kernels, which move no lane-wide bytes, take together."""
+    lines = []
+    for w in floor_kernel_rows(block_kernels):
+        moving = [k for k in w["kernels"] if k["elements"]]
+        near = [kernel_label(k["kernel"]) for k in moving if k["beyond_ms"] <= at_pace * k["ms"]]
+        above = [f"{kernel_label(k['kernel'])} (+{k['beyond_ms']:.3f} ms, {k['beyond_ms'] / k['ms']:.0%} of its time)"
+                 for k in moving if k["beyond_ms"] > at_pace * k["ms"]]
+        small = sum(k["ms"] for k in w["kernels"] if not k["elements"])
+        lines.append(f"C = {w['C']}: at their bytes' pace (within {at_pace:.0%}): {', '.join(near) or 'none'}; "
+                     f"above it: {', '.join(above) or 'none'}; the small kernels, no lane-wide bytes: {small:.3f} ms")
+    return "\n".join(lines) if lines else "(no copy floor breakdown recorded)"
+
+
+def breakdown_reading(block_kernels: dict | None, kind: str = "mhc_ours") -> str:
+    """Per width, the ``kind`` step's extra wall time over the plain step, split: the kind's own kernels, the plain
+    block's own (its residual adds, which mHC replaces), the kernels both launch, and the GPU's idle time."""
+    lines = []
+    for r in _entries(block_kernels, kind):
+        plain, other, c = r["residual_block"], r["kind_block"], r["comparison"]
+        lines.append(f"C = {r['C']}: the {BLOCK_IMPLEMENTATIONS[kind]} step is "
+                     f"{other['wall_ms'] - plain['wall_ms']:.2f} ms longer than the plain one: mHC's own kernels "
+                     f"+{c['only_other_ms']:.2f} ms, the plain "
+                     f"block's own (its residual adds) -{c['only_base_ms']:.2f} ms, the kernels both launch "
+                     f"{c['shared_other_ms'] - c['shared_base_ms']:+.2f} ms, the GPU's idle time "
+                     f"{other['idle_ms'] - plain['idle_ms']:+.2f} ms")
+    return "\n".join(lines) if lines else f"(no block breakdown of {kind} recorded)"
+
+
+def clocks_reading(site: dict | None, block: dict | None) -> str:
+    """How far apart the two clocks are: the largest relative difference between launched and CUDA graph time,
+    over every implementation and shape of the site, and over every kind and width of the block (medians)."""
+    def farthest(pairs):
+        return max(pairs, default=None, key=lambda p: abs(p[0] / p[1] - 1))
+
+    sites = [(r["launched_ms"][k], r["graph_ms"][k], SITE_IMPLEMENTATIONS[k], f"{r['tokens']} x {r['C']}")
+             for r in (site or {}).get("shapes") or [] for k in SITE_IMPLEMENTATIONS
+             if k in (r.get("launched_ms") or {}) and k in (r.get("graph_ms") or {})]
+    blocks = []
+    for r in (block or {}).get("widths") or []:
+        launched, graph = ((r.get(mode) or {}).get("rounds_ms") or {} for mode in ("launched", "graph"))
+        blocks += [(_median(launched[k]), _median(graph[k]), BLOCK_IMPLEMENTATIONS.get(k, k), f"C = {r['C']}")
+                   for k in launched if launched[k] and graph.get(k)]
+    lines = []
+    for what, pairs in (("every site", sites), ("every block", blocks)):
+        worst = farthest(pairs)
+        if worst:
+            lines.append(f"launched against as a CUDA graph, {what}: at most {abs(worst[0] / worst[1] - 1):.1%} apart "
+                         f"({worst[2]}, {worst[3]}: {worst[0]:.2f} against {worst[1]:.2f} ms)")
+    return "\n".join(lines) if lines else "(no timings on both clocks)"
 
 
 def floor_inputs(recording: dict | None = None) -> dict | None:

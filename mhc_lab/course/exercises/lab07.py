@@ -112,7 +112,8 @@ def _check_post_backward(answer):
 
 # ---- 7.2 one normalisation step, backward ---------------------------------------------------------------------
 
-_STEP_CASES = [((5,), 4, -1, 1e-6), ((5,), 4, -2, 0.25), ((1,), 1, -1, 1e-6), ((3, 2), 2, -2, 1e-6),
+# a large eps first: a dropped eps then fails where the difference shows, and is named
+_STEP_CASES = [((5,), 4, -2, 0.25), ((5,), 4, -1, 1e-6), ((1,), 1, -1, 1e-6), ((3, 2), 2, -2, 1e-6),
                ((7,), 8, -1, 0.25), ((2,), 8, -2, 1e-6)]
 _STEP_MISTAKES = {
     "p_not_q": "the sum was taken with P, the step's input. The correction term is sum(dQ * Q): Q after the "
@@ -176,7 +177,10 @@ def _check_step(answer):
 
 # ---- 7.3 the Sinkhorn backward by recomputation ------------------------------------------------------------------
 
-_SINKHORN_CASES = [((5,), 4, 20), ((1,), 1, 20), ((3,), 2, 20), ((2, 2), 8, 20), ((7,), 4, 3), ((4,), 4, 1)]
+# (lead, n, iterations, eps); first a large eps and few rounds, where a dropped eps or a round too many or too
+# few makes a difference that shows (20 rounds converge: one more changes little)
+_SINKHORN_CASES = [((3,), 4, 4, 0.05), ((5,), 4, 20, 1e-6), ((1,), 1, 20, 1e-6), ((3,), 2, 20, 1e-6),
+                   ((2, 2), 8, 20, 1e-6), ((7,), 4, 3, 1e-6), ((4,), 4, 1, 1e-6)]
 _SINKHORN_MISTAKES = {
     "no_transpose": "the layer uses H_res = comb^T, so the gradient of comb is grad_res transposed; you walked "
                     "back from grad_res itself.",
@@ -184,6 +188,19 @@ _SINKHORN_MISTAKES = {
                   "with S * (d - rowsum(d * S)), S the softmax.",
     "final_q": "every step's backward used the final matrix. Each step needs its own Q (and s): recompute the "
                "forward and walk the steps back in reverse, each with the matrices of that step.",
+    "extra_round": "one Sinkhorn round too many. `iterations` rounds are a column step, then iterations - 1 times a "
+                   "row step and a column step (39 steps for 20 rounds): loop over [-2] + [-1, -2] * (iterations - 1).",
+    "round_short": "one Sinkhorn round too few. `iterations` rounds are a column step, then iterations - 1 times a "
+                   "row step and a column step (39 steps for 20 rounds): loop over [-2] + [-1, -2] * (iterations - 1).",
+    "row_first": "the steps in the wrong order: the forward starts with a column step (dim -2), then alternates a "
+                 "row and a column step, [-2] + [-1, -2] * (iterations - 1); starting with a row step computes "
+                 "another matrix.",
+    "no_eps": "forgetting the eps, in both places: comb = softmax(logits) + eps, and every step divides by "
+              "(sum + eps). The recomputed forward must be the forward itself.",
+    "no_eps_comb": "forgetting the eps of comb = softmax(logits) + eps: the recomputed forward must be the forward "
+                   "itself (the eps has no gradient, but it changes every step's matrices).",
+    "no_eps_steps": "forgetting the eps of the steps: each divides by (sum + eps), in the recomputed forward and in "
+                    "each step's backward.",
 }
 
 
@@ -191,18 +208,22 @@ def _sinkhorn_wrong(kind: str):
     def wrong(logits, grad_res, iterations=20, eps=1e-6):
         if kind == "no_transpose":
             return sinkhorn_backward(logits, grad_res.transpose(-1, -2), iterations, eps)
+        comb_eps = 0.0 if kind in ("no_eps", "no_eps_comb") else eps
+        step_eps = 0.0 if kind in ("no_eps", "no_eps_steps") else eps
+        rounds = iterations + {"extra_round": 1, "round_short": -1}.get(kind, 0)
+        order = [-1, -2] * iterations if kind == "row_first" else [-2] + [-1, -2] * (rounds - 1)
         softmax = torch.softmax(logits, dim=-1)
-        comb, history = softmax + eps, []
-        for dim in [-2] + [-1, -2] * (iterations - 1):
+        comb, history = softmax + comb_eps, []
+        for dim in order:
             history.append((dim, comb))
-            comb = comb / (comb.sum(dim=dim, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=dim, keepdim=True) + step_eps)
         d = grad_res.transpose(-1, -2)
         for dim, p in reversed(history):
             if kind == "final_q":
                 s = comb.sum(dim=dim, keepdim=True) + eps
                 d = (d - (d * comb).sum(dim=dim, keepdim=True)) / s
             else:
-                d = normalize_step_backward(p, d, dim, eps)
+                d = normalize_step_backward(p, d, dim, step_eps)
         if kind == "no_softmax":
             return d
         return softmax * (d - (d * softmax).sum(dim=-1, keepdim=True))
@@ -230,17 +251,24 @@ def _sinkhorn_wrong(kind: str):
         Mistake(_sinkhorn_wrong("no_transpose"), "grad_res transposed"),
         Mistake(_sinkhorn_wrong("no_softmax"), "softmax backward"),
         Mistake(_sinkhorn_wrong("final_q"), "its own Q"),
+        Mistake(_sinkhorn_wrong("extra_round"), "one Sinkhorn round too many"),
+        Mistake(_sinkhorn_wrong("round_short"), "one Sinkhorn round too few"),
+        Mistake(_sinkhorn_wrong("row_first"), "starts with a column step"),
+        Mistake(_sinkhorn_wrong("no_eps"), "forgetting the eps, in both places"),
+        Mistake(_sinkhorn_wrong("no_eps_comb"), "forgetting the eps of comb"),
+        Mistake(_sinkhorn_wrong("no_eps_steps"), "forgetting the eps of the steps"),
     ],
 )
 def _check_sinkhorn_backward(answer):
     cases = []
-    for k, (lead, n, iterations) in enumerate(_SINKHORN_CASES):
-        case = f"logits of shape {(*lead, n, n)}, iterations={iterations}"
+    for k, (lead, n, iterations, eps) in enumerate(_SINKHORN_CASES):
+        case = f"logits of shape {(*lead, n, n)}, iterations={iterations}, eps={eps:g}"
         logits = randn(*lead, n, n, seed=7300 + 10 * k, scale=2.0)
         grad = randn(*lead, n, n, seed=7301 + 10 * k)
-        got = call(answer, logits.clone(), grad.clone(), iterations, 1e-6, case=case)
-        mistakes = {text: _sinkhorn_wrong(kind)(logits, grad, iterations) for kind, text in _SINKHORN_MISTAKES.items()}
-        assert_close(got, sinkhorn_backward(logits, grad, iterations, 1e-6), case=case, name="dlogits",
+        got = call(answer, logits.clone(), grad.clone(), iterations, eps, case=case)
+        mistakes = {text: _sinkhorn_wrong(kind)(logits, grad, iterations, eps)
+                    for kind, text in _SINKHORN_MISTAKES.items()}
+        assert_close(got, sinkhorn_backward(logits, grad, iterations, eps), case=case, name="dlogits",
                      mistakes=mistakes)
         cases.append(case)
     return cases
@@ -248,40 +276,49 @@ def _check_sinkhorn_backward(answer):
 
 # ---- 7.4 the RMS scale backward ------------------------------------------------------------------------------------
 
-_NORM_CASES = [((5,), 8, 33, 1e-6), ((3,), 2, 7, 0.5), ((1,), 1, 1, 1e-6), ((2, 3), 4, 5, 1e-6), ((4,), 4, 16, 0.5)]
+# r = sqrt(s / (n C) + eps) is the RMS of the token's flattened lanes, s = sum(x^2); the norm multiplies by 1/r, and
+# grad_inv_r is dL/d(1/r). A large eps first: a dropped eps then fails where the difference shows, and is named.
+_NORM_CASES = [((3,), 2, 7, 0.5), ((5,), 8, 33, 1e-6), ((1,), 1, 1, 1e-6), ((2, 3), 4, 5, 1e-6), ((4,), 4, 16, 0.5)]
 _NORM_MISTAKES = {
-    "sign": "the sign of ds: r = (s / nC + eps)^(-1/2) falls as s grows, so ds = -r^3 / (2 nC) dr is negative "
-            "where dr is positive.",
+    "sign": "the sign of ds: 1/r = (s / nC + eps)^(-1/2) falls as s grows, so ds = -d(1/r) / (2 nC r^3) is "
+            "negative where d(1/r) is positive.",
     "no_two": "the factor 2 is missing: s = sum(x^2), so ds/dx = 2 x and dx = 2 ds x.",
     "lane_width": "the mean was taken over C, one lane. The norm is over the whole flattened row of n * C values: "
                   "divide s by n * C.",
-    "r_not_r3": "d/ds (s / k + eps)^(-1/2) = -(1/2) (s / k + eps)^(-3/2) / k = -r^3 / (2k): the power of r is 3.",
-    "no_eps": "forgetting the eps: r = (s / nC + eps)^(-1/2), and r^3 carries the same eps.",
-    "no_k": "the 1 / (n C) of the inner derivative is missing: r is a function of s / (n C), so the chain rule "
-            "brings d(s / nC)/ds = 1 / (n C) as well: ds = -r^3 / (2 nC) dr.",
+    "r_not_r3": "d/ds (s / nC + eps)^(-1/2) = -(1/2) (s / nC + eps)^(-3/2) / (nC) = -1 / (2 nC r^3): the power of "
+                "r is 3.",
+    "r3_on_top": "r^3 multiplies where it should divide. r is the RMS, sqrt(s / nC + eps), and the norm's scale is "
+                 "its inverse 1/r = (s / nC + eps)^(-1/2), whose derivative is -1 / (2 nC r^3): "
+                 "ds = -d(1/r) / (2 nC r^3).",
+    "no_eps": "forgetting the eps: r = sqrt(s / nC + eps), and r^3 carries the same eps.",
+    "no_k": "the 1 / (n C) of the inner derivative is missing: 1/r is a function of s / (n C), so the chain rule "
+            "brings d(s / nC)/ds = 1 / (n C) as well: ds = -d(1/r) / (2 nC r^3).",
     "no_half": "dx is twice too large: the 1/2 of the power rule is missing. d/du u^(-1/2) = -(1/2) u^(-3/2), so "
-               "ds = -r^3 / (2 nC) dr (and then dx = 2 ds x: the 2 and the 1/2 cancel only together).",
+               "ds = -d(1/r) / (2 nC r^3) (and then dx = 2 ds x: the 2 and the 1/2 cancel only together).",
     "per_lane": "each lane was normalised on its own (s summed over C only, one r per lane). The norm has one r per "
                 "token: s sums x^2 over all n * C values of the token, sum(dim=(-2, -1), keepdim=True).",
 }
-_NORM_NO_UNSQUEEZE = ("grad_r was used as it comes, [..., 1]: against r [..., 1, 1] it broadcasts along the wrong "
-                      "dims. Give it the lanes' two trailing dims first: grad_r.unsqueeze(-1), [..., 1, 1], so it "
-                      "broadcasts over [n, C].")
-_NORM_BROADCAST = ("The shapes did not broadcast: s, r and grad_r are one number per token and must line up with x "
-                   "[..., n, C] as [..., 1, 1]: sum with keepdim=True over dims (-2, -1), and grad_r.unsqueeze(-1).")
+_NORM_NO_UNSQUEEZE = ("grad_inv_r was used as it comes, [..., 1]: against r [..., 1, 1] it broadcasts along the "
+                      "wrong dims. Give it the lanes' two trailing dims first: grad_inv_r.unsqueeze(-1), [..., 1, 1], "
+                      "so it broadcasts over [n, C].")
+_NORM_BROADCAST = ("The shapes did not broadcast: s, r and grad_inv_r are one number per token and must line up with "
+                   "x [..., n, C] as [..., 1, 1]: sum with keepdim=True over dims (-2, -1), and "
+                   "grad_inv_r.unsqueeze(-1).")
 
 
 def _norm_wrong(kind: str):
-    def wrong(x, grad_r, rms_eps=1e-6):
+    def wrong(x, grad_inv_r, rms_eps=1e-6):
         n, C = x.shape[-2:]
         k = C if kind in ("lane_width", "per_lane") else n * C
         dims = -1 if kind == "per_lane" else (-2, -1)
         s = x.pow(2).sum(dim=dims, keepdim=True)
-        r = torch.rsqrt(s / k + (0.0 if kind == "no_eps" else rms_eps))
-        power = 1 if kind == "r_not_r3" else 3
+        r = torch.sqrt(s / k + (0.0 if kind == "no_eps" else rms_eps))
+        g = grad_inv_r if kind == "no_unsqueeze" else grad_inv_r.unsqueeze(-1)
         half = {"sign": 0.5, "no_half": -1.0}.get(kind, -0.5)
-        g = grad_r if kind == "no_unsqueeze" else grad_r.unsqueeze(-1)
-        ds = half * r.pow(power) / (1 if kind == "no_k" else k) * g
+        if kind == "r3_on_top":
+            ds = half * r.pow(3) / k * g
+        else:
+            ds = half * g / ((1 if kind == "no_k" else k) * r.pow(1 if kind == "r_not_r3" else 3))
         if kind == "no_x":
             return 2 * ds
         return (1 if kind == "no_two" else 2) * ds * x
@@ -290,17 +327,17 @@ def _norm_wrong(kind: str):
     return wrong
 
 
-def _call_norm(answer, x, grad_r, eps, want, case):
-    """The learner's dx; a shape error of the usual kind (grad_r not unsqueezed) is named."""
+def _call_norm(answer, x, grad_inv_r, eps, want, case):
+    """The learner's dx; a shape error of the usual kind (grad_inv_r not unsqueezed) is named."""
     try:
-        return call(answer, x.clone(), grad_r.clone(), eps, case=case)
+        return call(answer, x.clone(), grad_inv_r.clone(), eps, case=case)
     except CheckFailed as failure:
         error = failure.__cause__
         if not isinstance(error, RuntimeError) or not any(
                 words in str(error) for words in ("must match the size", "broadcast", "expanded size")):
             raise
-        try:  # would their function be right with grad_r already [..., 1, 1]?
-            probe = answer(x.clone(), grad_r.unsqueeze(-1), eps)
+        try:  # would their function be right with grad_inv_r already [..., 1, 1]?
+            probe = answer(x.clone(), grad_inv_r.unsqueeze(-1), eps)
             fixed = (isinstance(probe, torch.Tensor) and probe.shape == want.shape
                      and torch.allclose(probe.to(want.dtype), want, rtol=1e-6, atol=1e-9))
         except Exception:
@@ -312,12 +349,14 @@ def _call_norm(answer, x, grad_r, eps, want, case):
 @register(
     "7.4", "the RMS scale backward",
     hints=[
-        "Forward: s = sum of x^2 over the token's n * C values, r = (s / (n C) + eps)^(-1/2), one number per token. "
-        "Chain rule in two steps: dr -> ds -> dx.",
-        "ds = dr * dr/ds = -(1/2) r^3 / (n C) * dr; dx = ds * ds/dx = 2 ds x. Keep grad_r's last dim of 1 and add "
-        "one more (unsqueeze(-1)) so that it broadcasts over [n, C].",
-        "k = n * C; s = x.pow(2).sum(dim=(-2, -1), keepdim=True); r = torch.rsqrt(s / k + rms_eps); "
-        "ds = -0.5 * r.pow(3) / k * grad_r.unsqueeze(-1); return 2 * ds * x",
+        "Forward: s = sum of x^2 over the token's n * C values, r = sqrt(s / (n C) + eps) its RMS, and the norm "
+        "multiplies by 1/r = (s / (n C) + eps)^(-1/2), one number per token. Chain rule in two steps: "
+        "d(1/r) -> ds -> dx.",
+        "The derivative of (s / (n C) + eps)^(-1/2) by s is -1 / (2 n C r^3), so ds = -d(1/r) / (2 n C r^3); the "
+        "derivative of s by x is 2 x, so dx = 2 ds x. Keep grad_inv_r's last dim of 1 and add one more "
+        "(unsqueeze(-1)) so that it broadcasts over [n, C].",
+        "k = n * C; s = x.pow(2).sum(dim=(-2, -1), keepdim=True); r = torch.sqrt(s / k + rms_eps); "
+        "ds = -grad_inv_r.unsqueeze(-1) / (2 * k * r.pow(3)); return 2 * ds * x",
     ],
     library="mhc_lab.course.training_lab.norm_scale_backward",
     mistakes=[
@@ -325,11 +364,12 @@ def _call_norm(answer, x, grad_r, eps, want, case):
         Mistake(_norm_wrong("no_two"), "the factor 2"),
         Mistake(_norm_wrong("lane_width"), "n * C values"),
         Mistake(_norm_wrong("r_not_r3"), "the power of r is 3"),
+        Mistake(_norm_wrong("r3_on_top"), "r^3 multiplies where it should divide"),
         Mistake(_norm_wrong("no_eps"), "forgetting the eps"),
         Mistake(_norm_wrong("no_k"), "the 1 / (n C) of the inner derivative"),
         Mistake(_norm_wrong("no_half"), "the 1/2 of the power rule"),
         Mistake(_norm_wrong("per_lane"), "each lane was normalised on its own"),
-        Mistake(_norm_wrong("no_unsqueeze"), "grad_r.unsqueeze(-1), [..., 1, 1]"),
+        Mistake(_norm_wrong("no_unsqueeze"), "grad_inv_r.unsqueeze(-1), [..., 1, 1]"),
         Mistake(_norm_wrong("no_x"), "dx = 2 ds x: multiply by x"),
     ],
 )
@@ -339,14 +379,14 @@ def _check_norm_backward(answer):
         case = f"x of shape {(*lead, n, C)}, rms_eps={eps:g}"
         # tokens of very different sizes, so that r matters
         x = randn(*lead, n, C, seed=7400 + 10 * k) * torch.exp(randn(*lead, 1, 1, seed=7401 + 10 * k))
-        grad_r = randn(*lead, 1, seed=7402 + 10 * k)
-        want = norm_scale_backward(x, grad_r, eps)
-        got = _call_norm(answer, x, grad_r, eps, want, case)
+        grad_inv_r = randn(*lead, 1, seed=7402 + 10 * k)
+        want = norm_scale_backward(x, grad_inv_r, eps)
+        got = _call_norm(answer, x, grad_inv_r, eps, want, case)
         if isinstance(got, torch.Tensor) and tuple(got.shape) == (*lead, 1, 1) and (n, C) != (1, 1):
             raise CheckFailed(f"{case}: expected dx of shape {tuple(want.shape)}, got {tuple(got.shape)}: one number "
                               "per token, ds (or 2 ds), not a gradient for each of x's values. This looks like the "
                               "usual mistake: the last step of the chain is missing, dx = 2 ds x: multiply by x.")
-        mistakes = {text: _norm_wrong(kind)(x, grad_r, eps) for kind, text in _NORM_MISTAKES.items()}
+        mistakes = {text: _norm_wrong(kind)(x, grad_inv_r, eps) for kind, text in _NORM_MISTAKES.items()}
         assert_close(got, want, case=case, name="dx", mistakes=mistakes)
         cases.append(case)
     return cases
