@@ -264,6 +264,7 @@ def _check_extreme(answer):
         Mistake(_log_rows_first, "normalising rows first"),
         Mistake(_log_without_exp, "log H"),
         Mistake(sinkhorn_paper, "exponentiating the logits"),
+        Mistake(_rows_only, "only the rows"),
     ],
 )
 def _check_sinkhorn_log(answer):
@@ -271,6 +272,8 @@ def _check_sinkhorn_log(answer):
         "normalising rows first: update the column potential g first and the row potential f last, as Eq. 9 "
         "does (T_c, then T_r)": _log_rows_first,
         "returning log H: finish with torch.exp(logits + f + g)": _log_without_exp,
+        "normalising only the rows (one logsumexp over dim=-1, a softmax) makes a row-stochastic matrix; the "
+        "column potential g needs its own step, alternated with the row potential f": _rows_only,
     }, extra=_check_extreme)
 
 

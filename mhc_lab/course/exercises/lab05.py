@@ -394,6 +394,8 @@ _BYTES_MISTAKES = {
                                        "eager": rmsnorm_bytes(N, C)["eager"] - 2 * (N * C * 2 + N * C * 4)},
     "you counted elements, not bytes: a bf16 element is 2 bytes, a float32 one 4.":
         lambda N, C: {"fused": 2 * N * C + C, "eager": 11 * N * C + 6 * N + C},
+    "you counted only the reads; the kernel also writes y (N * C elements).":
+        lambda N, C: {"fused": 2 * N * C + 2 * C, "eager": rmsnorm_bytes(N, C)["eager"]},
 }
 
 
