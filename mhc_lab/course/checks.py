@@ -301,11 +301,11 @@ def _index_str(flat_index: int, shape) -> str:
 
 # ---- one diagnosis for every comparison ---------------------------------------------------------------------
 #
-# A wrong answer is told, in this order: how far it is from the expected value, with enough digits to see the
-# difference, and whether that is close (a slip: a constant, a dtype, the order of operations); then the usual
-# mistake it matches, when one explains it better than "close" does: the answer is ten times nearer to the
-# mistake's value than to the expected one. A mistake that happens to give the expected value on some case
-# (Wᵀ = W for a 1x1 W) therefore never matches there, and a slip never looks like a mistake far away.
+# A wrong answer is told how far it is from the expected value, with the digits that show the difference. Then,
+# if a usual mistake explains it better than a slip does (the answer is ten times nearer to the mistake's value
+# than to the expected one), that mistake is named; else, if the answer is close, the message says so. A mistake
+# that happens to give the expected value on some case (Wᵀ = W for a 1x1 W) therefore never matches there, and a
+# near-correct answer is never blamed on a mistake far from it.
 
 CLOSE = 1e-3  # a wrong answer within this fraction of the expected values' size is close
 CLOSE_ABS = 1e-6  # and so is one this near them, whatever their size (float32's rounding of numbers near 1)
@@ -317,8 +317,10 @@ SLIP = ("A difference this small is a slip rather than a wrong formula: a consta
 def pair(expected: float, got: float) -> tuple[str, str]:
     """Two numbers printed with as many digits as it takes to tell them apart (at least 6 significant; whole
     numbers as they are)."""
-    if float(expected).is_integer() and abs(expected) < 1e15 and math.isfinite(got) and abs(got) < 1e15:
-        for decimals in range(0, 12):  # a count: as it is, and got with the decimals that show the difference
+    if float(expected).is_integer() and abs(expected) < 1e15:  # a count: as it is, got with the decimals it needs
+        if not (math.isfinite(got) and abs(got) < 1e15):
+            return f"{int(expected)}", f"{got:g}"
+        for decimals in range(0, 12):
             g = f"{got:.{decimals}f}"
             if float(g) != expected or decimals == 11:
                 return f"{int(expected)}", g
