@@ -162,3 +162,44 @@ ELEMENTS_FOR_BYTES = ("0.1", "0.3", "4.3", "4.4", "5.4")
 @pytest.mark.parametrize("id", ELEMENTS_FOR_BYTES)
 def test_elements_counted_instead_of_bytes_is_named_wherever_it_can_be_made(id):
     assert any("elements, not bytes" in m.says for m in get_exercise(id).mistakes), id
+
+
+# ---- the rule itself, on made-up values ------------------------------------------------------------------------
+
+
+def _says(fn) -> str:
+    with pytest.raises(CheckFailed) as failure:
+        fn()
+    return str(failure.value)
+
+
+def test_a_mistake_that_gives_the_expected_value_is_never_named():
+    from mhc_lab.course.checks import assert_close
+
+    expected = torch.tensor([0.155448, -2.0, 3.0], dtype=torch.float64)
+    message = _says(lambda: assert_close(expected * SCALE, expected, case="c", mistakes={"the same": expected.clone()}))
+    assert "usual mistake" not in message and "is close" in message, message
+
+
+def test_the_nearest_mistake_is_named_only_when_ten_times_nearer_than_the_expected_value():
+    from mhc_lab.course.checks import assert_close
+
+    expected = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    a, b = expected + 0.5, expected + 0.6
+    mistakes = {"mistake a": a, "mistake b": b}
+    assert "usual mistake: mistake b" in _says(lambda: assert_close(b + 1e-7, expected, case="c", mistakes=mistakes))
+    assert "usual mistake: mistake a" in _says(lambda: assert_close(a - 0.04, expected, case="c", mistakes=mistakes))
+    # halfway between the right answer and a mistake: neither a slip nor the mistake, so nothing is named
+    message = _says(lambda: assert_close(expected + 0.25, expected, case="c", mistakes=mistakes))
+    assert "usual mistake" not in message and "close" not in message, message
+
+
+def test_numbers_print_with_the_digits_that_tell_them_apart():
+    from mhc_lab.course.checks import expect_number, pair
+
+    assert pair(0.155448, 0.1554481) == ("0.1554480", "0.1554481")
+    assert pair(1.88632, 1.88632 * (1 + 1e-9)) == ("1.886320000", "1.886320002")
+    assert pair(8000, 2000) == ("8000", "2000") and pair(8000, 8000.24) == ("8000", "8000.2")
+    message = _says(lambda: expect_number(1.88632 * SCALE, 1.88632, case="c", name="x"))
+    assert "expected x = 1.88632, got 1.88638: close" in message, message
+    assert "usual mistake: far" in _says(lambda: expect_number(4.0, 1.0, case="c", name="x", mistakes={"far": 4.0}))

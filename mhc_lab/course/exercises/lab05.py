@@ -362,7 +362,8 @@ def _check_rmsnorm(answer):
             mistakes = {
                 "forgetting eps. It goes inside the root, rsqrt(mean + eps): it keeps a row of zeros finite "
                 "and sets how much small rows are scaled up.": x64 * torch.rsqrt(ms) * w64,
-                "you used the sum of squares, not their mean: divide total[0] by C.": x64 * torch.rsqrt(ms * C + eps) * w64,
+                "you used the sum of squares, not their mean: divide total[0] by C.":
+                    x64 * torch.rsqrt(ms * C + eps) * w64,
                 "you multiplied by the RMS instead of dividing by it: use T.rsqrt, not T.sqrt.":
                     x64 * torch.sqrt(ms + eps) * w64,
                 "you left out the weight w; multiply by w[c].": x64 * torch.rsqrt(ms + eps),
