@@ -212,3 +212,29 @@ def test_lab04_not_a_number_and_not_a_line():
     assert "expected elements per token to be a number, got str" in _failure("4.1", lambda n, C: "many")
     assert "your prediction is nan" in _failure("4.5", lambda t: float("nan"))
     assert "does not grow in a straight line with C" in _failure("4.1", lambda n, C: n * C * C)
+
+
+# ---- what a failing check shows ----------------------------------------------------------------------------------
+
+
+def test_a_failing_check_shows_its_message_alone():
+    # IPython shows an exception with _render_traceback_ as the lines it returns: here the message, no checker code
+    with pytest.raises(CheckFailed) as failure:
+        run_check("0.1", lambda numel, dtype: 2 * numel)
+    lines = failure.value._render_traceback_()
+    assert len(lines) == 1 and lines[0].endswith(f"CheckFailed\x1b[0m: {failure.value}"), lines
+    with pytest.raises(ExerciseIncomplete) as failure:
+        run_check("0.1", lambda numel, dtype: (_ for _ in ()).throw(NotImplementedError("Exercise 0.1: bytes")))
+    assert len(failure.value._render_traceback_()) == 1
+
+
+def test_a_check_whose_answer_raised_shows_the_answer_traceback_from_the_learner_code_on():
+    def broken(numel, dtype):
+        return numel / 0
+
+    with pytest.raises(CheckFailed) as failure:
+        run_check("0.1", broken)
+    text = "\n".join(failure.value._render_traceback_())
+    assert "return numel / 0" in text and "ZeroDivisionError" in text, text
+    assert "mhc_lab/course/checks.py" not in text and "mhc_lab/course/exercises" not in text, text
+    assert text.endswith(str(failure.value)), text

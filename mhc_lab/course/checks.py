@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -24,11 +25,44 @@ from typing import Any, Callable, Sequence
 import torch
 
 
-class CheckFailed(AssertionError):
-    """The answer is wrong; the message says how (shape, dtype or values) and names the usual mistake."""
+class _ShownAsItsMessage:
+    """An exception that IPython shows as its message alone (``_render_traceback_``), not as a traceback through
+    the checker's code: the checker's lines are not the learner's concern, and some would give the answer away.
+    When the learner's own function raised, its traceback (from the learner's code on) comes first."""
+
+    def _render_traceback_(self) -> list[str]:
+        cause = self.__cause__
+        lines = _learner_traceback(cause) if isinstance(cause, Exception) and not isinstance(
+            cause, _ShownAsItsMessage) else []
+        return lines + [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
-class ExerciseIncomplete(NotImplementedError):
+def _learner_traceback(error: Exception) -> list[str]:
+    """The traceback of ``error`` from the first frame outside this module (the learner's code) on."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    if tb is None:
+        return []
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            return shell.InteractiveTB.structured_traceback(type(error), error, tb)
+    except Exception:  # no IPython, or its formatter failed: plain Python's
+        pass
+    import traceback
+
+    return "".join(traceback.format_exception(type(error), error, tb)).splitlines()
+
+
+class CheckFailed(_ShownAsItsMessage, AssertionError):
+    """The answer is wrong; the message says how (shape, dtype or values), how close it is, and names the usual
+    mistake that explains it."""
+
+
+class ExerciseIncomplete(_ShownAsItsMessage, NotImplementedError):
     """The answer is still the stub."""
 
 
@@ -277,6 +311,83 @@ def _index_str(flat_index: int, shape) -> str:
     return str(tuple(reversed(idx)))
 
 
+# ---- one diagnosis for every comparison ---------------------------------------------------------------------
+#
+# A wrong answer is told how far it is from the expected value, with the digits that show the difference. Then,
+# if a usual mistake explains it better than a slip does (the answer is ten times nearer to the mistake's value
+# than to the expected one), that mistake is named; else, if the answer is close, the message says so. A mistake
+# that happens to give the expected value on some case (Wᵀ = W for a 1x1 W) therefore never matches there, and a
+# near-correct answer is never blamed on a mistake far from it.
+
+CLOSE = 1e-3  # a wrong answer within this fraction of the expected values' size is close
+CLOSE_ABS = 1e-6  # and so is one this near them, whatever their size (float32's rounding of numbers near 1)
+NEARER = 0.1  # a mistake is named when the answer is this much nearer to its value than to the expected one
+SLIP = ("A difference this small is a slip rather than a wrong formula: a constant (an eps), a dtype (float32 "
+        "arithmetic where float64 is expected), or the order of operations.")
+
+
+def pair(expected: float, got: float) -> tuple[str, str]:
+    """Two numbers printed with as many digits as it takes to tell them apart (at least 6 significant; whole
+    numbers as they are)."""
+    if float(expected).is_integer() and abs(expected) < 1e15:  # a count: as it is, got with the decimals it needs
+        if not (math.isfinite(got) and abs(got) < 1e15):
+            return f"{int(expected)}", f"{got:g}"
+        for decimals in range(0, 12):
+            g = f"{got:.{decimals}f}"
+            if float(g) != expected or decimals == 11:
+                return f"{int(expected)}", g
+    for digits in range(6, 18):
+        e, g = f"{expected:#.{digits}g}", f"{got:#.{digits}g}"
+        if e != g:
+            return e, g
+    return repr(float(expected)), repr(float(got))
+
+
+def is_close(off: float, size: float, tolerance: float = 0.0) -> bool:
+    """Whether a difference ``off`` from values of size ``size`` is close: within CLOSE of it (or ten times the
+    comparison's own relative tolerance, if looser), or within CLOSE_ABS."""
+    return math.isfinite(off) and off <= max(CLOSE, 10 * tolerance) * size + CLOSE_ABS
+
+
+def _relative(off: float, size: float, of: str) -> str:
+    """' (3e-05 of the largest expected value)', when that says something."""
+    return f" ({off / size:.2g} of {of})" if 0 < off <= size else ""
+
+
+def _as_float64(value) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64).cpu()
+    try:
+        return torch.tensor(float(value), dtype=torch.float64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def recognise(got, expected, mistakes: dict | None) -> str:
+    """The usual mistake that explains ``got`` better than being close to ``expected`` does, as a sentence
+    (". This looks like the usual mistake: ..."), or "". ``mistakes`` maps each explanation to the value that
+    mistake gives, a tensor or a number. The nearest mistake is named when ``got`` is ten times nearer to it
+    than to ``expected``; with ``expected`` None (got's shape is wrong), when ``got`` equals it within 1e-4."""
+    g = _as_float64(got)
+    if not mistakes or g is None:
+        return ""
+    e = _as_float64(expected) if expected is not None else None
+    off = (g - e).abs().max().item() if e is not None and e.shape == g.shape and g.numel() else None
+    best, nearest = None, math.inf
+    for explanation, wrong in mistakes.items():
+        w = _as_float64(wrong)
+        if w is None or w.shape != g.shape or w.numel() == 0:
+            continue
+        distance = (g - w).abs().max().item()
+        if off is None:
+            matches = torch.allclose(g, w, rtol=1e-4, atol=1e-6)
+        else:
+            matches = math.isfinite(distance) and distance <= NEARER * off
+        if matches and distance < nearest:
+            best, nearest = explanation, distance
+    return f". This looks like the usual mistake: {best}" if best is not None else ""
+
+
 def assert_close(
     got,
     expected: torch.Tensor,
@@ -288,12 +399,13 @@ def assert_close(
     check_dtype: bool = True,
     mistakes: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Compare a tensor with the expected one: type, shape, dtype, NaN, values; name a recognised mistake."""
+    """Compare a tensor with the expected one: type, shape, dtype, NaN, then values; a wrong value is said to be
+    close when it is, and named as the usual mistake it matches when that explains it better."""
     if not isinstance(got, torch.Tensor):
         raise CheckFailed(f"{case}: expected {name} to be a torch.Tensor, got {type(got).__name__}")
     if tuple(got.shape) != tuple(expected.shape):
         message = f"{case}: expected {name} of shape {tuple(expected.shape)}, got {tuple(got.shape)}"
-        raise CheckFailed(message + _recognise(got, mistakes))
+        raise CheckFailed(message + recognise(got, None, mistakes))
     if check_dtype and got.dtype != expected.dtype:
         raise CheckFailed(f"{case}: expected {name} of dtype {expected.dtype}, got {got.dtype}")
     default_rtol, default_atol = TOLERANCE.get(expected.dtype, (1e-4, 1e-5))
@@ -306,25 +418,22 @@ def assert_close(
     diff = (g - e).abs()
     bad = diff > atol + rtol * e.abs()
     if bad.any():
-        worst = int(diff.flatten().argmax())
-        where = _index_str(worst, g.shape)
-        message = (
-            f"{case}: {name} differs in {int(bad.sum())} of {bad.numel()} entries; largest difference "
-            f"{diff.flatten()[worst].item():.3g} at index {where}: expected {e.flatten()[worst].item():.6g}, "
-            f"got {g.flatten()[worst].item():.6g}"
-        )
-        raise CheckFailed(message + _recognise(got, mistakes))
+        raise CheckFailed(_values_differ(g, e, diff.nan_to_num(0.0), bad, case=case, name=name, rtol=rtol,
+                                         usual=recognise(g, e, mistakes)))
 
 
-def _recognise(got: torch.Tensor, mistakes: dict[str, torch.Tensor] | None) -> str:
-    if not mistakes:
-        return ""
-    g = got.detach().to(torch.float64).cpu()
-    for explanation, wrong in mistakes.items():
-        w = wrong.detach().to(torch.float64).cpu()
-        if g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-6):
-            return f". This looks like the usual mistake: {explanation}"
-    return ""
+def _values_differ(g, e, diff, bad, *, case: str, name: str, rtol: float, usual: str) -> str:
+    """How the values differ (how many, the largest difference and where), then the usual mistake that explains
+    it, or else whether the answer is close."""
+    worst = int(diff.flatten().argmax())
+    off, size = diff.flatten()[worst].item(), e.abs().nan_to_num(0.0).max().item()
+    want, have = pair(e.flatten()[worst].item(), g.flatten()[worst].item())
+    where = f"at index {_index_str(worst, g.shape)}: expected {want}, got {have}"
+    count = f"{int(bad.sum())} of {bad.numel()} entries"
+    if not usual and is_close(off, size, rtol):
+        return (f"{case}: {name} is close, but not within the tolerance: {count} differ, the largest by {off:.2g}"
+                f"{_relative(off, size, 'the largest expected value')} {where}. {SLIP}")
+    return f"{case}: {name} differs in {count}; largest difference {off:.3g} {where}{usual}"
 
 
 class TanhLayer:
@@ -347,14 +456,24 @@ def randn(*shape, seed: int, dtype=torch.float64, scale: float = 1.0) -> torch.T
     return (torch.randn(*shape, generator=seeded(seed), dtype=torch.float64) * scale).to(dtype)
 
 
-def expect_number(got, expected: float, *, case: str, name: str, rel: float = 1e-6, explain: str = "") -> None:
-    """Compare a number (a prediction, a count) with the expected one; ``explain`` says why they can differ."""
+def expect_number(got, expected: float, *, case: str, name: str, rel: float = 1e-6, explain: str = "",
+                  mistakes: dict[str, float] | None = None) -> None:
+    """Compare a number (a prediction, a count) with the expected one, within ``rel`` of it; a wrong number is
+    said to be close when it is, and named as the usual mistake (``mistakes``: explanation -> the number that
+    mistake gives) that explains it better; ``explain`` says why they can differ."""
     try:
         value = float(got)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise CheckFailed(f"{case}: expected {name} to be a number, got {type(got).__name__}") from None
-    if abs(value - expected) > rel * max(abs(expected), 1e-12):
-        raise CheckFailed(f"{case}: expected {name} = {expected:.6g}, got {value:.6g}. {explain}".rstrip())
+    off = abs(value - expected)
+    if not off <= rel * max(abs(expected), 1e-12):  # NaN fails too
+        want, have = pair(expected, value)
+        usual = recognise(value, expected, mistakes)
+        message = f"{case}: expected {name} = {want}, got {have}{usual}"
+        if not usual and is_close(off, abs(expected), rel):
+            message += (f": close{_relative(off, abs(expected), 'it')}, but not within the tolerance ({rel:g} of "
+                        f"it). {SLIP}")
+        raise CheckFailed(f"{message.rstrip('.')}. {explain}".rstrip())
 
 
 # ---- variants: each section or student can get other numbers --------------------------------------------------

@@ -22,19 +22,6 @@ from mhc_lab.reference.mhc import mixes_width
 LANES = (1, 2, 4, 8)
 
 
-def _named(expected: torch.Tensor, mistakes: dict, small: tuple[str, ...] = ()) -> dict:
-    """The usual mistakes worth naming for this case: those listed in ``small`` (they differ from the right
-    answer by little, e.g. a missing eps, so they come first), then those that differ from the right answer
-    by more than the recognition tolerance (a mistake that happens to be right here names nothing)."""
-    e = expected.detach().to(torch.float64)
-    kept = {why: mistakes[why] for why in small}
-    for why, wrong in mistakes.items():
-        w = wrong.detach().to(torch.float64)
-        if why not in kept and not (w.shape == e.shape and torch.allclose(w, e, rtol=1e-3, atol=1e-5)):
-            kept[why] = wrong
-    return kept
-
-
 def _reference(fn, *args, dtype, **kwargs):
     """The reference answer computed in float64 and returned in the learner's dtype."""
     out = fn(*(a.double() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
@@ -108,14 +95,14 @@ def _check_gaps(answer):
     for description, h in _gap_inputs():
         expected = doubly_stochastic_gaps(h)
         got = _as_tensor(call(answer, h.clone(), case=description), description, "the gaps")
-        assert_close(got, expected, case=description, name="the gaps [..., 3]", mistakes=_named(expected, {
+        assert_close(got, expected, case=description, name="the gaps [..., 3]", mistakes={
             "rows and columns swapped: a row sum is sum_j H[i, j], i.e. h.sum(dim=-1); gap 1 is the rows, "
             "gap 2 the columns": _gaps_rows_columns_swapped(h),
             "a sum below 1 is as far off as one above it: take the absolute value |sum - 1| before the max":
                 _gaps_signed(h),
             "a matrix with no negative entry has a negative-entry gap of 0, not -min: clamp at zero":
                 _gaps_unclamped(h),
-        }))
+        })
         cases.append(description)
     return cases
 
@@ -147,13 +134,13 @@ def _rows_only(logits, iterations=20):
     return torch.softmax(logits, dim=-1)
 
 
-def _check_sinkhorn(answer, reference, mistakes_for, extra=None, small=()):
+def _check_sinkhorn(answer, reference, mistakes_for, extra=None):
     cases = []
     for description, logits, iterations in _sinkhorn_inputs():
         expected = _reference(reference, logits, iterations=iterations, dtype=logits.dtype)
         got = call(answer, logits.clone(), iterations=iterations, case=description)
         wrong = {k: f(logits.double(), iterations=iterations) for k, f in mistakes_for.items()}
-        assert_close(got, expected, case=description, name="H_res", mistakes=_named(expected, wrong, small))
+        assert_close(got, expected, case=description, name="H_res", mistakes=wrong)
         cases.append(description)
     if extra is not None:
         cases += extra(answer)
@@ -223,7 +210,7 @@ def _check_sinkhorn_v4(answer):
         "leaving out eps: DeepSeek-V4 adds eps after the softmax and to every denominator": _v4_without_eps,
         "one (row, column) pass too many: after the first column step there are iterations - 1 more "
         "passes, because the softmax was already the first row step": _v4_one_pass_too_many,
-    }, small=("leaving out eps: DeepSeek-V4 adds eps after the softmax and to every denominator",))
+    })
 
 
 def _log_rows_first(logits, iterations=20):
@@ -277,6 +264,7 @@ def _check_extreme(answer):
         Mistake(_log_rows_first, "normalising rows first"),
         Mistake(_log_without_exp, "log H"),
         Mistake(sinkhorn_paper, "exponentiating the logits"),
+        Mistake(_rows_only, "only the rows"),
     ],
 )
 def _check_sinkhorn_log(answer):
@@ -284,6 +272,8 @@ def _check_sinkhorn_log(answer):
         "normalising rows first: update the column potential g first and the row potential f last, as Eq. 9 "
         "does (T_c, then T_r)": _log_rows_first,
         "returning log H: finish with torch.exp(logits + f + g)": _log_without_exp,
+        "normalising only the rows (one logsumexp over dim=-1, a softmax) makes a row-stochastic matrix; the "
+        "column potential g needs its own step, alternated with the row potential f": _rows_only,
     }, extra=_check_extreme)
 
 
@@ -352,23 +342,6 @@ def _rms_eps_mistakes(dtype: torch.dtype) -> dict[str, float]:
     }
 
 
-def _nearest(got: torch.Tensor, expected: torch.Tensor, candidates: dict[str, torch.Tensor]) -> tuple[str, ...]:
-    """The one candidate mistake ``got`` is far nearer to than to the right answer, or none.
-
-    The eps mistakes (H_pre's + eps, the RMSNorm's eps) all differ from the right answer by little, so each is
-    within the recognition tolerance of the others: naming the first that matches would name the wrong one.
-    A mistake is named only when the answer is ten times nearer to it than to the right answer."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return ()
-    g = got.detach().to(torch.float64).cpu()
-    off = (g - expected.detach().to(torch.float64).cpu()).abs().max().item()
-    distances = {why: (g - w.detach().to(torch.float64).cpu()).abs().max().item() for why, w in candidates.items()}
-    if not distances:
-        return ()
-    why = min(distances, key=distances.get)
-    return (why,) if distances[why] < 0.1 * off else ()
-
-
 @register(
     "3.5", "mHC coefficients (Eqs. 7-8, DeepSeek-V4 layout)",
     hints=[
@@ -418,23 +391,15 @@ def _check_coefficients(answer):
             "a split in the wrong order: DeepSeek-V4's mixes are [pre, post, res], n + n + n^2":
                 wrong(order="pre,res,post"),
         }
-        # the mistakes that differ from the right answer by little: only the nearest one can be named
-        eps_mistakes = {why: wrong(rms_eps=value) for why, value in _rms_eps_mistakes(x.dtype).items()}
-        eps_mistakes["H_pre without its + eps (DeepSeek-V4 adds eps = 1e-6 after the sigmoid)"] = \
-            wrong(pre_eps=False)
+        # the eps mistakes differ from the right answer by little: the check names the nearest one
+        named.update({why: wrong(rms_eps=value) for why, value in _rms_eps_mistakes(x.dtype).items()})
+        named["H_pre without its + eps (DeepSeek-V4 adds eps = 1e-6 after the sigmoid)"] = wrong(pre_eps=False)
+        named["H_post without the factor 2: Eq. 8 is H_post = 2 sigmoid(...), range (0, 2)"] = wrong(post_scale=1.0)
+        named["res logits reshaped column by column: mat() fills H_res row by row (reshape(..., n, n), no "
+              "transpose)"] = wrong(res_transposed=True)
         for k, name in enumerate(("pre", "post", "res")):
-            candidates = {why: w[k] for why, w in eps_mistakes.items()}
-            small = _nearest(got[k], expected[k], candidates)
-            mistakes = {why: candidates[why] for why in small}
-            mistakes.update({why: w[k] for why, w in named.items()})
-            if name == "post":
-                mistakes["H_post without the factor 2: Eq. 8 is H_post = 2 sigmoid(...), range (0, 2)"] = \
-                    wrong(post_scale=1.0)[1]
-            if name == "res":
-                mistakes["res logits reshaped column by column: mat() fills H_res row by row "
-                         "(reshape(..., n, n), no transpose)"] = wrong(res_transposed=True)[2]
             assert_close(got[k], expected[k], case=description, name=f"H_{name}",
-                         mistakes=_named(expected[k], mistakes, small))
+                         mistakes={why: w[k] for why, w in named.items()})
         cases.append(description)
     return cases
 
@@ -481,12 +446,12 @@ def _check_post(answer):
         res = random_doubly_stochastic(n, max(1, x[..., 0, 0].numel()), seed=110 + k).reshape(*batch, n, n)
         expected = mhc_post(x, layer_out, post, res)
         got = call(answer, x.clone(), layer_out, post, res, case=description)
-        assert_close(got, expected, case=description, name="the next lanes", mistakes=_named(expected, {
+        assert_close(got, expected, case=description, name="the next lanes", mistakes={
             "using H_res transposed: new lane i is sum_j res[i, j] x_j (einsum '...ij,...jc->...ic')":
                 _post_transposed(x, layer_out, post, res),
             "adding F to every lane unweighted: each lane i gets post_i * F (H_post^T F)":
                 _post_without_post(x, layer_out, post, res),
             "keeping x as it is: the lanes are first mixed by H_res x": _post_without_mixing(x, layer_out, post, res),
-        }))
+        })
         cases.append(description)
     return cases

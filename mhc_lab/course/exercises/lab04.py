@@ -12,12 +12,9 @@ from typing import Callable
 import torch
 
 from mhc_lab.measure import bytes_model, profiling
-from mhc_lab.course.checks import CheckFailed, Mistake, call, register
+from mhc_lab.course.checks import CheckFailed, Mistake, call, is_close, recognise, register
 from mhc_lab.reference import sinkhorn_deepseek_v4
 
-
-def _close(a: float, b: float, rel: float = 1e-6) -> bool:
-    return abs(a - b) <= rel * max(abs(b), 1e-300)
 
 
 def _number(got, case: str, name: str) -> float:
@@ -28,14 +25,6 @@ def _number(got, case: str, name: str) -> float:
     if math.isnan(value) or math.isinf(value):
         raise CheckFailed(f"{case}: your prediction is {value}; expected a finite number")
     return value
-
-
-def _usual(value: float, usual: dict[str, float]) -> str:
-    """The usual mistake the prediction matches, as a sentence, or ''."""
-    for explanation, wrong in usual.items():
-        if _close(value, wrong):
-            return f" This looks like the usual mistake: {explanation}"
-    return ""
 
 
 def _ratio(got: float, expected: float) -> str:
@@ -49,7 +38,7 @@ def _ratio(got: float, expected: float) -> str:
 
 
 def _show(value: float) -> str:
-    return f"{value:,.0f}" if value == int(value) and abs(value) < 1e15 else f"{value:.4g}"
+    return f"{value:,.0f}" if value == int(value) and abs(value) < 1e15 else f"{value:,.6g}"
 
 
 def _part(label: str, got: float, expected: float, scale: float) -> str:
@@ -95,11 +84,13 @@ def _parts_text(mine, right, at: int, split: Callable[[float, float, int], tuple
 
 def _wrong(value: float, expected: float, *, case: str, name: str, parts: str = "", usual: str = "",
            advice: str = "") -> None:
-    """Raise CheckFailed: what the prediction is, too high or too low by what ratio, which part, which mistake."""
+    """Raise CheckFailed: what the prediction is, too high or too low by what ratio (close, if it is), which
+    part, which mistake."""
     if expected == 0:
         how = "should be 0"
     else:
-        how = f"is too {'high' if value > expected else 'low'}: {_ratio(value, expected)} the count"
+        close = "close, but " if not usual and is_close(abs(value - expected), abs(expected)) else ""
+        how = f"is {close}too {'high' if value > expected else 'low'}: {_ratio(value, expected)} the count"
     message = f"{case}: your prediction, {_show(value)} {name}, {how}.{parts}{usual}"
     raise CheckFailed(f"{message} {advice}".rstrip())
 
@@ -110,7 +101,7 @@ def _expect(got, expected: float, *, case: str, name: str, rel: float = 1e-6,
     if abs(value - expected) <= rel * max(abs(expected), 1e-12):
         return
     _wrong(value, expected, case=case, name=name, parts=parts() if parts else "",
-           usual=_usual(value, usual or {}), advice=advice)
+           usual=recognise(value, expected, usual).lstrip("."), advice=advice)
 
 
 def _lanes_and_coefficients(slope: float, value: float, C: int) -> tuple[float, float]:
@@ -174,6 +165,8 @@ def _check_hc_elements(answer):
 def _minimal_usual(n: int, C: int) -> dict[str, float]:
     k = n * n + n
     return {
+        "you counted only the reads; each kernel also writes its results (F's input and the coefficients, then "
+        "the new lanes).": (2 * n + 1) * C + k,
         "you read x once; F runs between the two kernels, and the lanes cannot wait on chip meanwhile, so the "
         "post kernel reads x again.": (2 * n + 2) * C + 2 * k,
         "that is the paper's five-kernel plan; the fewest-bytes plan does everything before F in one pass "
@@ -194,6 +187,7 @@ def _minimal_usual(n: int, C: int) -> dict[str, float]:
     ],
     library="mhc_lab.measure.bytes_model.minimal_site_forward_elements",
     mistakes=[
+        Mistake(lambda n, C: (2 * n + 1) * C + n * n + n, "only the reads"),
         Mistake(lambda n, C: (2 * n + 2) * C + 2 * (n * n + n), "x again"),
         Mistake(lambda n, C: bytes_model.elements_per_token("mhc_fused", n, C), "five-kernel plan"),
         Mistake(lambda n, C: bytes_model.hc_forward_elements(n, C), "unfused count"),
@@ -277,6 +271,9 @@ def _intensity_usual(n: int, C: int, s: int, c: int) -> dict[str, float]:
             flops / 2 / (2 * n * C * s + n * n * c),
         "you left out writing the result: the new lanes are nC elements.": flops / (n * C * s + n * n * c),
         "you left out reading H_res itself: n^2 coefficients per token.": flops / (2 * n * C * s),
+        "you counted elements, not bytes: a lane element is stream_bytes, a coefficient coefficient_bytes.":
+            flops / (2 * n * C + n * n),
+        "your ratio is upside down: intensity is FLOPs per byte.": (2 * n * C * s + n * n * c) / flops,
     }
 
 
@@ -292,6 +289,8 @@ def _intensity_usual(n: int, C: int, s: int, c: int) -> dict[str, float]:
         Mistake(lambda n, C, s, c: n * n * C / (2 * n * C * s + n * n * c), "multiply-adds"),
         Mistake(lambda n, C, s, c: 2 * n * n * C / (n * C * s + n * n * c), "writing the result"),
         Mistake(lambda n, C, s, c: 2 * n * n * C / (2 * n * C * s), "reading H_res"),
+        Mistake(lambda n, C, s, c: 2 * n * n * C / (2 * n * C + n * n), "elements, not bytes"),
+        Mistake(lambda n, C, s, c: (2 * n * C * s + n * n * c) / (2 * n * n * C), "upside down"),
     ],
 )
 def _check_intensity(answer):

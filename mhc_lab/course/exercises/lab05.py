@@ -362,7 +362,8 @@ def _check_rmsnorm(answer):
             mistakes = {
                 "forgetting eps. It goes inside the root, rsqrt(mean + eps): it keeps a row of zeros finite "
                 "and sets how much small rows are scaled up.": x64 * torch.rsqrt(ms) * w64,
-                "you used the sum of squares, not their mean: divide total[0] by C.": x64 * torch.rsqrt(ms * C + eps) * w64,
+                "you used the sum of squares, not their mean: divide total[0] by C.":
+                    x64 * torch.rsqrt(ms * C + eps) * w64,
                 "you multiplied by the RMS instead of dividing by it: use T.rsqrt, not T.sqrt.":
                     x64 * torch.sqrt(ms + eps) * w64,
                 "you left out the weight w; multiply by w[c].": x64 * torch.rsqrt(ms + eps),
@@ -375,29 +376,28 @@ def _check_rmsnorm(answer):
 # ---- 5.4 counting the bytes ------------------------------------------------------------------------------
 
 
-def _bytes_fused_f32(N, C):
-    good = rmsnorm_bytes(N, C)
-    return {"fused": 2 * N * C * 4 + C * 4, "eager": good["eager"]}
-
-
-def _bytes_no_w(N, C):
-    good = rmsnorm_bytes(N, C)
-    return {"fused": 2 * N * C * 2, "eager": good["eager"]}
-
-
 def _eager_all_bf16(N, C):
     """The eager passes counted as if every intermediate were bf16 (2 bytes)."""
     return 18 * N * C + 12 * N + 2 * C
 
 
-def _bytes_eager_bf16(N, C):
-    good = rmsnorm_bytes(N, C)
-    return {"fused": good["fused"], "eager": _eager_all_bf16(N, C)}
-
-
-def _bytes_eager_no_casts(N, C):
-    good = rmsnorm_bytes(N, C)
-    return {"fused": good["fused"], "eager": good["eager"] - 2 * (N * C * 2 + N * C * 4)}
+# Each usual mistake: what the check says, and the {"fused", "eager"} bytes it gives.
+_BYTES_MISTAKES = {
+    "you counted 4 bytes per element; x, w and y are bf16, 2 bytes each.":
+        lambda N, C: {"fused": 2 * N * C * 4 + C * 4, "eager": rmsnorm_bytes(N, C)["eager"]},
+    "you left out the weight w: C more elements read (small, but counted).":
+        lambda N, C: {"fused": 2 * N * C * 2, "eager": rmsnorm_bytes(N, C)["eager"]},
+    "you counted the eager intermediates at 2 bytes; after x.to(float32) they are float32, 4 bytes per element, "
+    "until h.to(dtype) casts back.":
+        lambda N, C: {"fused": rmsnorm_bytes(N, C)["fused"], "eager": _eager_all_bf16(N, C)},
+    "you left out the two casts (x.to(float32) and h.to(dtype)): each is a pass of its own that reads and writes "
+    "the whole tensor.": lambda N, C: {"fused": rmsnorm_bytes(N, C)["fused"],
+                                       "eager": rmsnorm_bytes(N, C)["eager"] - 2 * (N * C * 2 + N * C * 4)},
+    "you counted elements, not bytes: a bf16 element is 2 bytes, a float32 one 4.":
+        lambda N, C: {"fused": 2 * N * C + C, "eager": 11 * N * C + 6 * N + C},
+    "you counted only the reads; the kernel also writes y (N * C elements).":
+        lambda N, C: {"fused": 2 * N * C + 2 * C, "eager": rmsnorm_bytes(N, C)["eager"]},
+}
 
 
 def _get_number(got, key: str, case: str):
@@ -418,12 +418,7 @@ def _get_number(got, key: str, case: str):
         "eager = 36 N C + 24 N + 2 C bytes in bf16; fused = 4 N C + 2 C.",
     ],
     library="mhc_lab.kernels.rmsnorm.rmsnorm_bytes",
-    mistakes=[
-        Mistake(_bytes_fused_f32, "4 bytes"),
-        Mistake(_bytes_no_w, "weight w"),
-        Mistake(_bytes_eager_bf16, "float32"),
-        Mistake(_bytes_eager_no_casts, "casts"),
-    ],
+    mistakes=[Mistake(fn, says) for says, fn in _BYTES_MISTAKES.items()],
 )
 def _check_bytes(answer):
     cases = []
@@ -431,33 +426,25 @@ def _check_bytes(answer):
         case = f"N={N}, C={C}, bfloat16"
         got = call(answer, N, C, case=case)
         want = rmsnorm_bytes(N, C)
-        fused = _get_number(got, "fused", case)
-        explain = ""
-        try:
-            if float(fused) == 2 * N * C * 4 + C * 4:
-                explain = "You counted 4 bytes per element; x, w and y are bf16, 2 bytes each."
-            elif float(fused) == 4 * N * C:
-                explain = "You left out the weight w: C more elements read (small, but counted)."
-        except (TypeError, ValueError):
-            pass
-        expect_number(fused, want["fused"], case=case, name="fused bytes", explain=explain)
-        eager = _get_number(got, "eager", case)
-        explain = ""
-        try:
-            if float(eager) == _eager_all_bf16(N, C):
-                explain = ("You counted the eager intermediates at 2 bytes; after x.to(float32) they are float32, "
-                           "4 bytes per element, until h.to(dtype) casts back.")
-            elif float(eager) == want["eager"] - 2 * (N * C * 2 + N * C * 4):
-                explain = ("You left out the two casts (x.to(float32) and h.to(dtype)): each is a pass of its own "
-                           "that reads and writes the whole tensor.")
-        except (TypeError, ValueError):
-            pass
-        expect_number(eager, want["eager"], case=case, name="eager bytes", explain=explain)
+        wrong = {says: fn(N, C) for says, fn in _BYTES_MISTAKES.items()}
+        for key in ("fused", "eager"):
+            expect_number(_get_number(got, key, case), want[key], case=case, name=f"{key} bytes",
+                          mistakes={says: w[key] for says, w in wrong.items()})
         cases.append(case)
     return cases
 
 
 # ---- 5.5 a fraction of the copy roof ---------------------------------------------------------------------
+
+
+_FRACTION_MISTAKES = {
+    "you divided by 2**30 (GiB); the course uses GB = 1e9 bytes.":
+        lambda nbytes, seconds, copy_gbs: nbytes / seconds / 2**30 / copy_gbs,
+    "you returned a percent; return the fraction (0.8, not 80).":
+        lambda nbytes, seconds, copy_gbs: 100 * nbytes / seconds / 1e9 / copy_gbs,
+    "your ratio is upside down: the kernel's GB/s over the copy's GB/s.":
+        lambda nbytes, seconds, copy_gbs: copy_gbs * 1e9 * seconds / nbytes,
+}
 
 
 @register(
@@ -469,11 +456,7 @@ def _check_bytes(answer):
         "nbytes / seconds / 1e9 / copy_gbs",
     ],
     library="mhc_lab.bench.tilelang.fraction_of_copy_roof",
-    mistakes=[
-        Mistake(lambda nbytes, seconds, copy_gbs: nbytes / seconds / 2**30 / copy_gbs, "2**30"),
-        Mistake(lambda nbytes, seconds, copy_gbs: 100 * nbytes / seconds / 1e9 / copy_gbs, "percent"),
-        Mistake(lambda nbytes, seconds, copy_gbs: copy_gbs * 1e9 * seconds / nbytes, "upside down"),
-    ],
+    mistakes=[Mistake(fn, says) for says, fn in _FRACTION_MISTAKES.items()],
 )
 def _check_fraction(answer):
     cases = []
@@ -481,18 +464,7 @@ def _check_fraction(answer):
                                       (4e6, 1e-3, 20.0), (123_456_789, 0.5, 1.0)]:
         case = f"nbytes={nbytes:g}, seconds={seconds:g}, copy_gbs={copy_gbs:g}"
         got = call(answer, nbytes, seconds, copy_gbs, case=case)
-        want = fraction_of_copy_roof(nbytes, seconds, copy_gbs)
-        explain = ""
-        try:
-            value = float(got)
-            if abs(value - nbytes / seconds / 2**30 / copy_gbs) < 1e-9 * want:
-                explain = "You divided by 2**30 (GiB); the course uses GB = 1e9 bytes."
-            elif abs(value - 100 * want) < 1e-9 * 100 * want:
-                explain = "You returned a percent; return the fraction (0.8, not 80)."
-            elif abs(value - 1 / want) < 1e-9 / want:
-                explain = "Your ratio is upside down: the kernel's GB/s over the copy's GB/s."
-        except (TypeError, ValueError, ZeroDivisionError):
-            pass
-        expect_number(got, want, case=case, name="fraction", explain=explain)
+        expect_number(got, fraction_of_copy_roof(nbytes, seconds, copy_gbs), case=case, name="fraction",
+                      mistakes={says: fn(nbytes, seconds, copy_gbs) for says, fn in _FRACTION_MISTAKES.items()})
         cases.append(case)
     return cases
