@@ -60,11 +60,34 @@ def measure_shape(tokens: int, n: int, C: int, device, dtype: torch.dtype, *, co
     busy spell of the machine slows them alike. Compiled calls (``compile``) are timed one by one right after
     their compile, which resets torch.compile's caches."""
     device = torch.device(device)
+    made, passes = _layers_and_passes(tokens, n, C, device, dtype, layers, backward)
+    timings = time_interleaved(passes, rounds=rounds, calls=calls, cold=True, device=device)
+    return _rows(made, passes, timings, device, copy_gbs, compile, rounds * calls, log)
+
+
+def measure_live(tokens: int, n: int, C: int, device, dtype: torch.dtype, *, small: bool = True,
+                 backward: bool = False, rounds: int = 5, calls: int = 3) -> tuple[roofline.Roof, list[dict]]:
+    """This machine's roof and the naive layers' eager rows (as :func:`measure_shape` makes them), all timed in
+    the same interleaved rounds from cold caches: a busy spell slows the roof's copy and the layers alike, so
+    each layer's share of the roof holds from run to run. Returns (roof, rows)."""
+    device = torch.device(device)
+    kernels = roofline.roof_kernels(device, small)
+    made, passes = _layers_and_passes(tokens, n, C, device, dtype, LAYERS, backward)
+    timings = time_interleaved({**{name: k["fn"] for name, k in kernels.items()}, **passes}, rounds=rounds,
+                               calls=calls, cold=True, device=device)
+    roof = roofline.roof_from(device, kernels, timings)
+    return roof, _rows(made, passes, timings, device, roof.bandwidth_gbs, False, rounds * calls, lambda line: None)
+
+
+def _layers_and_passes(tokens, n, C, device, dtype, layers, backward):
     made = {name: make_layer(name, tokens, n, C, device, dtype) for name in layers}
     passes = {(name, direction): fn for name, layer in made.items()
               for direction, fn in [("forward", layer.forward)]
               + ([("forward+backward", layer.forward_backward)] if backward else [])}
-    timings = time_interleaved(passes, rounds=rounds, calls=calls, cold=True, device=device)
+    return made, passes
+
+
+def _rows(made, passes, timings, device, copy_gbs, compile, repeat, log) -> list[dict]:
     rows = []
     for (name, direction), fn in passes.items():
         layer = made[name]
@@ -72,15 +95,15 @@ def measure_shape(tokens: int, n: int, C: int, device, dtype: torch.dtype, *, co
         if direction == "forward":
             trace = profiling.trace_ops(fn)
             extra = {"traced_ops": trace.launches, "traced_bytes": trace.bytes_moved, "syncs": trace.syncs}
-        rows.append(_row(layer, "eager", direction, timings[(name, direction)], profiling.launches(fn, device),
-                         copy_gbs, **extra))
+        cpu_forward = direction == "forward" and device.type != "cuda"
+        launches = trace.launches if cpu_forward else profiling.launches(fn, device)
+        rows.append(_row(layer, "eager", direction, timings[(name, direction)], launches, copy_gbs, **extra))
         log(_describe(rows[-1]))
         if compile and name != "residual":
-            fast = profiling.compile_call(fn, device, repeat=rounds * calls)
+            fast = profiling.compile_call(fn, device, repeat=repeat)
             rows.append(_row(layer, "compiled", direction, fast["timing"], fast["launches"], copy_gbs,
                              compile_s=fast["compile_s"]))
             log(_describe(rows[-1]))
-    del made, passes
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -148,19 +171,23 @@ def lane_sweep(tokens: int, C: int, ns=(1, 2, 4, 8), device="cpu", dtype: torch.
 
     All the calls of all n are timed against each other by :func:`measure.time_interleaved` (caches flushed
     before each call; per call, the median over ``rounds`` rounds of the round's fastest of ``calls``), so the
-    ratios between them hold on a busy machine. Each row also says where it was timed: the device and, on a
+    ratios between them hold on a busy machine; the residual, one lane whatever n, is timed once. Each row also says where it was timed: the device and, on a
     CPU, PyTorch's threads (the labs' setup() pins them to one; see mhc_lab.course.setup)."""
     device = torch.device(device)
-    made = {(name, n): make_layer(name, tokens, n, C, device, dtype) for n in ns for name in LAYERS}
+    # the residual merge has one lane whatever n is: one timing serves every row, so no ratio carries its noise
+    made = {("residual", None): make_layer("residual", tokens, 1, C, device, dtype)}
+    made.update({(name, n): make_layer(name, tokens, n, C, device, dtype) for n in ns for name in ("hc", "mhc")})
     timings = time_interleaved({key: layer.forward for key, layer in made.items()}, rounds=rounds, calls=calls,
                                cold=True, device=device)
+    launches = {key: profiling.launches(layer.forward, device) for key, layer in made.items()}
     where = timing_label(device)
     out = []
     for n in ns:
         row = {"n": n, "tokens": tokens, "C": C, "where": where, "rounds": rounds, "calls": calls}
         for name in LAYERS:
-            row[f"{name}_s"] = timings[(name, n)]["median_s"]
-            row[f"{name}_launches"] = profiling.launches(made[(name, n)].forward, device)
+            key = (name, None if name == "residual" else n)
+            row[f"{name}_s"] = timings[key]["median_s"]
+            row[f"{name}_launches"] = launches[key]
         out.append(row)
     return out
 
