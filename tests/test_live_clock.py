@@ -110,8 +110,8 @@ def _ratios(sweep):
 
 def test_the_lane_sweep_run_twice_agrees_with_itself(one_thread):
     """Lab 04's sweep (its shape, n = 1 and 8) measured twice: every ratio within 35% (lab 04 asks 20% of a run
-    on one machine; this test also runs beside other tests on a shared 2-core machine). Before the clock was
-    fixed the residual alone swung 13x between runs."""
+    on one machine; this test also runs beside other tests on a shared 2-core machine). A clock that lets fresh
+    pages or the cache's state in lets the residual's time alone swing tenfold."""
     first, second = (_ratios(memory_wall.lane_sweep(TOKENS, C, (1, 8), "cpu", rounds=5)) for _ in range(2))
     spread = {key: max(first[key], second[key]) / min(first[key], second[key]) for key in first}
     print("ratio spread between the two runs:", {k: round(v, 3) for k, v in spread.items()})

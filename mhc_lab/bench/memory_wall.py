@@ -324,8 +324,8 @@ def bound_lines(results: list[dict], copy_gbs: float) -> list[str]:
 
 
 _ABOVE_ROOF = ("the bytes model counts every read and write as a trip to memory, and some found their data still in "
-               "the cache (an operation reading what the one before it wrote), or this machine's copy, which set the "
-               "roof, moves bytes more slowly than this layer does")
+               "the cache (an operation reading what the one before it wrote), or this layer streams its bytes faster "
+               "than the copy that set the roof (a copy of another size, with its own pattern of reads and writes)")
 EXPECTED_FURTHEST = "mhc"
 
 

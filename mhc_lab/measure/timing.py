@@ -37,7 +37,7 @@ def keep_freed_memory() -> bool:
     operating system when it is freed (munmap, or trimming the top of the heap). The next call's tensor then
     sits in fresh pages, and the first write to each 4 KiB page is a page fault: the kernel maps and zeroes it,
     a microsecond or more per page (several in a virtual machine). A 2 MB residual add pays 512 of them in some
-    calls and none in others, so its time swung between 0.07 and 0.93 ms on an idle machine. With the
+    calls and none in others, and its time differs tenfold between the two. With the
     thresholds raised, memory stays mapped and every call after the warm-up finds its pages ready, as every call
     on a GPU does (PyTorch's CUDA caching allocator keeps freed blocks for reuse). The setting lasts for the
     process: memory it has used stays reserved for it until it exits."""
