@@ -95,6 +95,11 @@ def test_position_lines_explain_a_point_above_the_roof_by_what_it_measured():
     assert "its 2.0 MiB fit in the 32 MiB cache" in in_cache
     unknown = roofline.position_lines(ROOF, [small], cache_bytes=None)[0]
     assert "differ by its noise" in unknown
+    # a matmul past the ridge sits under the compute roof: fitting in the cache does not lift it
+    fast_matmul = dict(MATMUL, seconds=2 * 512**3 / 60e9)  # 60 GFLOP/s against 50
+    line = roofline.position_lines(ROOF, [fast_matmul], cache_bytes=32 * 2**20)[0]
+    assert "120% of the roof above it (ABOVE the roof)" in line and "differ by its noise" in line
+    assert "cache" not in line
 
 
 def test_a_measured_roof_is_warm_and_says_how():

@@ -109,21 +109,21 @@ def position(roof: Roof, point: dict) -> float:
 def position_lines(roof: Roof, points: list[dict], cache_bytes: int | None = None) -> list[str]:
     """One sentence per point: what fraction of the roof it reaches and, for a point above the roof, why it can.
 
-    A point reaches past the roof it was measured against in two ways: its data fit in the cache
-    (``cache_bytes``, the last level's size, when known) and never came from memory, as the roof's copy did;
-    or it is the same work as a roof measurement and the two timings differ by the machine's noise."""
+    A point reaches past the roof it was measured against in two ways: under the bandwidth roof, its data fit
+    in the cache (``cache_bytes``, the last level's size, when known) and never came from memory, as the roof's
+    copy's did; or it is work like the roof's own, and two timings of it differ by the machine's noise."""
     lines = []
     for p in points:
         share = position(roof, p)
         where = "on the roof" if abs(share - 1) <= 0.05 else ("below the roof" if share < 1 else "ABOVE the roof")
         line = f"{p['name']}: {100 * share:.0f}% of the roof above it ({where})"
         if share > 1.05:
-            working = p.get("footprint_bytes", p["bytes"])
-            if cache_bytes and working <= cache_bytes:
-                line += (f": its {working / 2**20:.1f} MiB fit in the {cache_bytes / 2**20:.0f} MiB cache, so it "
+            memory_bound = p["flops"] <= 0 or p["flops"] / p["bytes"] < roof.ridge
+            if memory_bound and cache_bytes and p["bytes"] <= cache_bytes:
+                line += (f": its {p['bytes'] / 2**20:.1f} MiB fit in the {cache_bytes / 2**20:.0f} MiB cache, so it "
                          "need not fetch them from memory, which the roof's copy does")
             else:
-                line += (": a fresh timing of work like the roof's own; two timings of the same work on this "
+                line += (": work like the roof's own, timed apart from it; two timings of the same work on this "
                          "machine differ by its noise (other programs, clocks), and this one came out faster")
         lines.append(line)
     return lines
