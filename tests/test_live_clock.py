@@ -105,7 +105,8 @@ def test_cache_flush_reads_past_the_last_level_cache():
 
 
 def _ratios(sweep):
-    return {f"{name} / residual, n = {r['n']}": r[f"{name}_s"] / r["residual_s"] for r in sweep for name in ("hc", "mhc")}
+    return {f"{name} / residual, n = {r['n']}": r[f"{name}_s"] / r["residual_s"]
+            for r in sweep for name in ("hc", "mhc")}
 
 
 def test_the_lane_sweep_run_twice_agrees_with_itself(one_thread):

@@ -138,7 +138,8 @@ def run(device="auto", tokens: int | None = None, widths=None, n: int = 4, dtype
         f"{roof.matmul_dtype}")
     config = {"tokens": tokens, "n": n, "widths": widths, "dtype": str(dtype).replace("torch.", ""),
               "layer_function": "identity", "sinkhorn": "deepseek_v4, 20 iterations",
-              "coefficients": "float32", "timer": "eager: measure.time_interleaved (CUDA events on a GPU, the thread's CPU time on a CPU), "
+              "coefficients": "float32",
+              "timer": "eager: measure.time_interleaved (CUDA events on a GPU, the thread's CPU time on a CPU), "
                        "caches flushed before each call, median over rounds of each round's fastest of 3 calls; "
                        "compiled: measure.time_fn after the compile, median",
               "counted_bytes": "bytes_model: mHC Table 2 rows (unfused), lanes in the stream dtype, "
@@ -171,8 +172,9 @@ def lane_sweep(tokens: int, C: int, ns=(1, 2, 4, 8), device="cpu", dtype: torch.
 
     All the calls of all n are timed against each other by :func:`measure.time_interleaved` (caches flushed
     before each call; per call, the median over ``rounds`` rounds of the round's fastest of ``calls``), so the
-    ratios between them hold on a busy machine; the residual, one lane whatever n, is timed once. Each row also says where it was timed: the device and, on a
-    CPU, PyTorch's threads (the labs' setup() pins them to one; see mhc_lab.course.setup)."""
+    ratios between them hold on a busy machine; the residual, one lane whatever n, is timed once. Each row also
+    says where it was timed: the device and, on a CPU, PyTorch's threads (the labs' setup() pins them to one;
+    see mhc_lab.course.setup)."""
     device = torch.device(device)
     # the residual merge has one lane whatever n is: one timing serves every row, so no ratio carries its noise
     made = {("residual", None): make_layer("residual", tokens, 1, C, device, dtype)}
@@ -394,8 +396,7 @@ def comparison_figure(local: list[dict], recording: dict | None, where: str | No
         fig.add_trace(go.Bar(name=f"RECORDED: {env.get('gpu') or 'a CPU'}, {env.get('date')} (C = {widest})",
                              x=list(there), y=list(there.values()), marker_pattern_shape="/"))
     fig.update_layout(barmode="group", height=400, yaxis_title="time / time of the plain residual add",
-                      title="Time per forward call relative to the plain residual add (n = 4, median of the "
-                            "timed calls)")
+                      title="Time per forward call relative to the plain residual add (n = 4)")
     fig.update_yaxes(type="log")
     return fig
 

@@ -1,4 +1,5 @@
-"""One timer (and its interleaved form for comparisons), one device choice, and the tags that make a measurement repeatable (device, versions, date)."""
+"""One timer (and its interleaved form, for comparisons), one device choice, and the tags that make a
+measurement repeatable (device, versions, date)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ def keep_freed_memory() -> bool:
     operating system when it is freed (munmap, or trimming the top of the heap). The next call's tensor then
     sits in fresh pages, and the first write to each 4 KiB page is a page fault: the kernel maps and zeroes it,
     a microsecond or more per page (several in a virtual machine). A 2 MB residual add pays 512 of them in some
-    calls and none in others, and its time differs tenfold between the two. With the
-    thresholds raised, memory stays mapped and every call after the warm-up finds its pages ready, as every call
-    on a GPU does (PyTorch's CUDA caching allocator keeps freed blocks for reuse). The setting lasts for the
-    process: memory it has used stays reserved for it until it exits."""
+    calls and none in others, and its time differs tenfold between the two. With the thresholds raised, memory
+    stays mapped and every call after the warm-up finds its pages ready, as every call on a GPU does (PyTorch's
+    CUDA caching allocator keeps freed blocks for reuse). The setting lasts for the process: memory it has used
+    stays reserved for it until it exits."""
     global _FREED_MEMORY_KEPT
     if _FREED_MEMORY_KEPT is None:
         _FREED_MEMORY_KEPT = False
