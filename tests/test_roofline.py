@@ -67,3 +67,40 @@ def test_a_cpu_roof_names_its_threads():
     finally:
         torch.set_num_threads(before)
     assert roof.device.endswith(", 1 thread)") and roof.bandwidth_gbs > 0 and roof.matmul_tflops > 0
+
+
+def test_position_is_the_share_of_the_roof_above_a_point():
+    assert roofline.position(ROOF, COPY) == pytest.approx(COPY["bytes"] / COPY["seconds"] / 1e9 / 20.0)
+    # the matmul: 85 FLOP/byte, past the ridge (2.5), so the roof above it is the compute roof
+    assert roofline.position(ROOF, MATMUL) == pytest.approx(2 * 512**3 / 0.01 / 1e9 / 50.0)
+    slow = dict(MATMUL, seconds=0.1)
+    assert roofline.position(ROOF, slow) == pytest.approx(roofline.position(ROOF, MATMUL) / 10)
+
+
+def test_position_lines_say_where_each_point_lands():
+    on_roof = dict(COPY, seconds=COPY["bytes"] / 20.0e9)
+    below = dict(MATMUL, name="slow matmul", seconds=0.1)
+    lines = roofline.position_lines(ROOF, [on_roof, below])
+    assert lines[0] == "copy: 100% of the roof above it (on the roof)"
+    assert lines[1].startswith("slow matmul: 5% of the roof above it (below the roof)")
+
+
+def test_position_lines_explain_a_point_above_the_roof_by_what_it_measured():
+    above = dict(COPY, seconds=COPY["bytes"] / 30.0e9)  # 150% of a 20 GB/s roof
+    from_memory = roofline.position_lines(ROOF, [above], cache_bytes=32 * 2**20)[0]
+    assert "150% of the roof above it (ABOVE the roof)" in from_memory
+    assert "differ by its noise" in from_memory and "cache" not in from_memory  # 256 MiB cannot sit in 32 MiB
+    small = dict(above, bytes=2 * 2**20, seconds=2 * 2**20 / 30.0e9)
+    in_cache = roofline.position_lines(ROOF, [small], cache_bytes=32 * 2**20)[0]
+    assert "its 2.0 MiB fit in the 32 MiB cache" in in_cache
+    unknown = roofline.position_lines(ROOF, [small], cache_bytes=None)[0]
+    assert "differ by its noise" in unknown
+    # a matmul past the ridge sits under the compute roof: fitting in the cache does not lift it
+    fast_matmul = dict(MATMUL, seconds=2 * 512**3 / 60e9)  # 60 GFLOP/s against 50
+    line = roofline.position_lines(ROOF, [fast_matmul], cache_bytes=32 * 2**20)[0]
+    assert "120% of the roof above it (ABOVE the roof)" in line and "differ by its noise" in line
+    assert "cache" not in line
+
+
+def test_a_measured_roof_is_warm_and_says_how():
+    assert "warm" in roofline.measure_roof.__doc__ and "median over rounds" in roofline.measure_roof.__doc__

@@ -27,11 +27,13 @@ def test_setup_pins_one_thread_and_records_it(threads_restored):
 
 def test_lane_sweep_records_where_it_was_timed_and_its_title_states_the_measurement(threads_restored):
     torch.set_num_threads(1)
-    sweep = memory_wall.lane_sweep(8, 4, (1, 2), "cpu", repeat=1, progress=False)
-    assert all(r["where"] == "CPU, 1 thread" and r["repeat"] == 1 for r in sweep)
+    sweep = memory_wall.lane_sweep(8, 4, (1, 2), "cpu", rounds=2, calls=1)
+    assert all(r["where"] == "CPU, 1 thread" and (r["rounds"], r["calls"]) == (2, 1) for r in sweep)
+    assert sweep[0]["residual_s"] == sweep[1]["residual_s"]  # one lane whatever n: timed once
     title = memory_wall.lane_sweep_figure(sweep).layout.title.text
     assert title.startswith("Time per forward call, n lanes")
-    assert "CPU, 1 thread" in title and "8 tokens, C = 4" in title and "fastest of 1 calls" in title
+    assert "CPU, 1 thread" in title and "8 tokens, C = 4" in title
+    assert "median of 2 rounds, each the fastest of 1 calls from cold caches" in title
     assert "cost far more" not in title  # a measurement, not a conclusion the learner's numbers may contradict
 
 

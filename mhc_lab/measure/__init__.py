@@ -3,7 +3,7 @@ holds (recordings.py, schemas.py), the bytes each design moves (bytes_model.py),
 (profiling.py), the roofline (roofline.py), and ranks trained data-parallel with what each device holds
 (distributed.py).
 
-    from mhc_lab.measure import time_fn, save_recording, load_recording, recorded_or_none, recording_label
+    from mhc_lab.measure import time_fn, time_interleaved, save_recording, load_recording, recorded_or_none, recording_label
 """
 
 from mhc_lab.measure.recordings import (
@@ -19,9 +19,12 @@ from mhc_lab.measure.recordings import (
 from mhc_lab.measure.timing import (
     environment_tags,
     gigabytes_per_second,
+    keep_freed_memory,
+    last_level_cache_bytes,
     resolve_device,
     synchronize,
     time_fn,
+    time_interleaved,
 )
 
 __all__ = [
@@ -29,6 +32,8 @@ __all__ = [
     "bench_command",
     "environment_tags",
     "gigabytes_per_second",
+    "keep_freed_memory",
+    "last_level_cache_bytes",
     "load_recording",
     "recorded_or_none",
     "recorded_section",
@@ -38,4 +43,5 @@ __all__ = [
     "save_sections",
     "synchronize",
     "time_fn",
+    "time_interleaved",
 ]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mhc_lab.measure import gigabytes_per_second, time_fn
+from mhc_lab.measure import gigabytes_per_second, time_interleaved
 
 # Spec-sheet leads for devices we know (memory GB/s, dense bf16 TFLOP/s); measured roofs are drawn from these
 # only when nothing was measured. Source: NVIDIA H200 datasheet (SXM).
@@ -45,42 +45,88 @@ class Roof:
         return min(self.matmul_tflops * 1e3, self.bandwidth_gbs * intensity)
 
 
-def measure_copy_bandwidth(device: torch.device | str, megabytes: int = 64, repeat: int = 10) -> float:
-    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
+def roof_sizes(gpu: bool, small: bool = True) -> tuple[int, int]:
+    """(MiB of float32 the copy copies, side of the square matmul) that :func:`measure_roof` times: a copy well
+    past the caches, and a matmul large enough to reach the machine's peak (bf16 on a GPU)."""
+    return (1024, 8192) if gpu else ((64, 512) if small else (256, 2048))
+
+
+def roof_kernels(device: torch.device | str, small: bool = True) -> dict[str, dict]:
+    """The two kernels a roof is measured with, ready to time: {"copy": {"fn", "bytes"}, "matmul": {"fn",
+    "flops"}}: a copy past the caches (bytes read plus written) and a square matmul into a kept output (2 size^3
+    FLOPs, bf16 on a GPU and float32 on a CPU). Sizes from :func:`roof_sizes`."""
     device = torch.device(device)
-    n = megabytes * 2**20 // 4
-    src = torch.randn(n, device=device)
+    gpu = device.type == "cuda"
+    megabytes, size = roof_sizes(gpu, small)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    src = torch.randn(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), warmup=2, repeat=repeat, device=device)["median_s"]
-    return gigabytes_per_second(copy_bytes(src.numel(), src.dtype), t)
-
-
-def measure_matmul_tflops(device: torch.device | str, size: int = 1024, dtype=None, repeat: int = 5) -> float:
-    """TFLOP/s of one square matmul (2 size^3 FLOPs), in bf16 on a GPU and float32 on a CPU by default."""
-    device = torch.device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    t = time_fn(lambda: a @ b, warmup=2, repeat=repeat, device=device)["median_s"]
-    return 2 * size**3 / t / 1e12
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    return {"copy": {"fn": lambda: dst.copy_(src), "bytes": copy_bytes(src.numel(), src.dtype)},
+            "matmul": {"fn": lambda: torch.matmul(a, b, out=out), "flops": 2 * size**3,
+                       "dtype": str(dtype).replace("torch.", "")}}
 
 
-def measure_roof(device: torch.device | str, small: bool = True) -> Roof:
-    """Both roofs of ``device``; small mode keeps it to a second or two on a laptop CPU."""
+def roof_from(device: torch.device | str, kernels: dict, timings: dict) -> Roof:
+    """The Roof that :func:`roof_kernels` timed (``timings``: measure.time_interleaved's, median_s of each)."""
     device = torch.device(device)
     if device.type == "cuda":
-        bandwidth = measure_copy_bandwidth(device, megabytes=1024, repeat=20)
-        tflops = measure_matmul_tflops(device, size=8192, repeat=10)
         name = torch.cuda.get_device_name(device)
     else:
-        bandwidth = measure_copy_bandwidth(device, megabytes=64 if small else 256)
-        tflops = measure_matmul_tflops(device, size=512 if small else 2048)
         import platform
 
         threads = torch.get_num_threads()
         name = f"CPU ({platform.machine()}, {threads} thread{'s' if threads != 1 else ''})"
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return Roof(name, bandwidth, tflops, dtype)
+    bandwidth = gigabytes_per_second(kernels["copy"]["bytes"], timings["copy"]["median_s"])
+    tflops = kernels["matmul"]["flops"] / timings["matmul"]["median_s"] / 1e12
+    return Roof(name, bandwidth, tflops, kernels["matmul"]["dtype"])
+
+
+def measure_roof(device: torch.device | str, small: bool = True, rounds: int = 8) -> Roof:
+    """Both roofs of ``device``, measured warm: :func:`roof_kernels` timed against each other by
+    :func:`measure.time_interleaved` (a warm-up, then ``rounds`` rounds, each keeping a kernel's fastest of 3
+    calls, and the median over rounds): the clock every live comparison of the labs uses, so a kernel timed the
+    same way lands on the roof or under it by its own merit, not by the luck of a quieter moment. Small mode
+    keeps it to a second or two on a laptop CPU."""
+    kernels = roof_kernels(device, small)
+    timings = time_interleaved({name: k["fn"] for name, k in kernels.items()}, rounds=rounds, warmup_s=0.2,
+                               device=device)
+    return roof_from(device, kernels, timings)
+
+
+def position(roof: Roof, point: dict) -> float:
+    """How high ``point`` ({"flops", "bytes", "seconds"}) reaches, as a fraction of the roof above it: its GB/s
+    over the copy rate when it has no FLOPs, else its GFLOP/s over the roof at its intensity (1 is on the roof,
+    below 1 under it, above 1 over it)."""
+    if point["flops"] <= 0:
+        return point["bytes"] / point["seconds"] / 1e9 / roof.bandwidth_gbs
+    achieved = point["flops"] / point["seconds"] / 1e9
+    return achieved / roof.attainable_gflops(point["flops"] / point["bytes"])
+
+
+def position_lines(roof: Roof, points: list[dict], cache_bytes: int | None = None) -> list[str]:
+    """One sentence per point: what fraction of the roof it reaches and, for a point above the roof, why it can.
+
+    A point reaches past the roof it was measured against in two ways: under the bandwidth roof, its data fit
+    in the cache (``cache_bytes``, the last level's size, when known) and never came from memory, as the roof's
+    copy's did; or it is work like the roof's own, and two timings of it differ by the machine's noise."""
+    lines = []
+    for p in points:
+        share = position(roof, p)
+        where = "on the roof" if abs(share - 1) <= 0.05 else ("below the roof" if share < 1 else "ABOVE the roof")
+        line = f"{p['name']}: {100 * share:.0f}% of the roof above it ({where})"
+        if share > 1.05:
+            memory_bound = p["flops"] <= 0 or p["flops"] / p["bytes"] < roof.ridge
+            if memory_bound and cache_bytes and p["bytes"] <= cache_bytes:
+                line += (f": its {p['bytes'] / 2**20:.1f} MiB fit in the {cache_bytes / 2**20:.0f} MiB cache, so it "
+                         "need not fetch them from memory, which the roof's copy does")
+            else:
+                line += (": work like the roof's own, timed apart from it; two timings of the same work on this "
+                         "machine differ by its noise (other programs, clocks), and this one came out faster")
+        lines.append(line)
+    return lines
 
 
 def roofline_figure(roof: Roof, points: list[dict] | None = None, title: str | None = None,
