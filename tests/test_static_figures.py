@@ -121,7 +121,7 @@ def test_nbconvert_html_shows_every_figure(executed):
 
 def test_without_kaleido_the_figure_stays_and_one_line_says_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "kaleido", None)  # `import kaleido` now raises ImportError
-    renderer = lab_display.lab_renderer()
+    renderer = lab_display.LabRenderer()
     bundle = renderer.to_mimebundle(_figure("lanes over depth").to_dict())
     assert set(bundle) == {PLOTLY, "text/plain"}
     line = bundle["text/plain"]
@@ -149,6 +149,32 @@ def test_without_a_browser_the_figure_stays_and_one_line_says_why():
     assert "\n" not in line and "bytes per token" in line and "no Chrome or Chromium found" in line
 
 
+def test_a_render_past_its_time_gives_the_line_not_a_hang(monkeypatch):
+    import asyncio
+    import threading
+    import time
+
+    class StuckBrowser:
+        async def calc_fig(self, fig, opts):
+            await asyncio.sleep(30)
+
+        async def close(self):
+            pass
+
+    def start(pictures):
+        pictures._loop = asyncio.new_event_loop()
+        threading.Thread(target=pictures._loop.run_forever, daemon=True).start()
+        pictures._browser = StuckBrowser()
+
+    monkeypatch.setattr(lab_display, "RENDER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(lab_display.StaticPictures, "_start", start)
+    renderer = lab_display.LabRenderer()
+    began = time.perf_counter()
+    bundle = renderer.to_mimebundle(_figure("stuck").to_dict())
+    assert time.perf_counter() - began < 10
+    assert set(bundle) == {PLOTLY, "text/plain"} and "no picture within 0.5 s" in bundle["text/plain"]
+
+
 def test_explorer_keeps_the_reason_line_when_there_is_no_picture(monkeypatch):
     import ipywidgets
 
@@ -157,7 +183,7 @@ def test_explorer_keeps_the_reason_line_when_there_is_no_picture(monkeypatch):
     import plotly.io as pio
 
     monkeypatch.setitem(sys.modules, "kaleido", None)
-    pio.renderers["mhc_lab_without_kaleido"] = lab_display.lab_renderer()  # a name of its own: the lab's is kept
+    pio.renderers["mhc_lab_without_kaleido"] = lab_display.LabRenderer()  # a name of its own: the lab's is kept
     shown = []
     monkeypatch.setattr(widgets, "display", lambda bundle, **_: shown.append(bundle))
     default = pio.renderers.default

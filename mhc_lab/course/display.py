@@ -13,6 +13,9 @@ import asyncio
 import atexit
 import base64
 import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from plotly.io._base_renderers import MimetypeRenderer, PlotlyRenderer
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 RENDERER = "mhc_lab"
@@ -83,6 +86,8 @@ class StaticPictures:
             return self._run(self._browser.calc_fig(fig_dict, opts=opts), RENDER_TIMEOUT_S), None
         except Exception as error:  # a browser that cannot start or a failed render must not cost the figure
             reason = _reason(error)
+            if isinstance(error, FutureTimeout):
+                reason = f"no picture within {RENDER_TIMEOUT_S} s"
             if type(error).__name__ == "ChromeNotFoundError":
                 reason = "no Chrome or Chromium found: install Debian's chromium, or name one in BROWSER_PATH"
             if first:  # a browser that never drew a picture will not draw the next one either
@@ -99,32 +104,21 @@ def no_picture_line(fig_dict: dict, reason: str) -> str:
     return f"{named}: interactive in JupyterLab; no static picture here ({reason})"
 
 
-def _renderer_class():
-    from plotly.io._base_renderers import MimetypeRenderer, PlotlyRenderer
+class LabRenderer(MimetypeRenderer):
+    """Plotly's mime type (the interactive figure) plus image/png, or plus a text/plain line saying why there is
+    no picture."""
 
-    class LabRenderer(MimetypeRenderer):
-        """Plotly's mime type (the interactive figure) plus image/png, or plus a text/plain line saying why
-        there is no picture."""
+    def __init__(self, pictures: StaticPictures | None = None):
+        self.pictures = pictures or StaticPictures()
 
-        def __init__(self, pictures: StaticPictures | None = None):
-            self.pictures = pictures or StaticPictures()
-            self.interactive = PlotlyRenderer()
-
-        def to_mimebundle(self, fig_dict):
-            bundle = self.interactive.to_mimebundle(fig_dict)
-            png, reason = self.pictures.png(bundle[PLOTLY_MIME])
-            if png is not None:
-                bundle["image/png"] = base64.b64encode(png).decode("ascii")
-            else:
-                bundle["text/plain"] = no_picture_line(fig_dict, reason)
-            return bundle
-
-    return LabRenderer
-
-
-def lab_renderer(pictures: StaticPictures | None = None):
-    """A plotly renderer that draws with ``pictures`` (a fresh StaticPictures by default)."""
-    return _renderer_class()(pictures)
+    def to_mimebundle(self, fig_dict):
+        bundle = PlotlyRenderer().to_mimebundle(fig_dict)
+        png, reason = self.pictures.png(bundle[PLOTLY_MIME])
+        if png is not None:
+            bundle["image/png"] = base64.b64encode(png).decode("ascii")
+        else:
+            bundle["text/plain"] = no_picture_line(fig_dict, reason)
+        return bundle
 
 
 def use_lab_renderer() -> None:
@@ -132,13 +126,11 @@ def use_lab_renderer() -> None:
     import plotly.io as pio
 
     if RENDERER not in pio.renderers:
-        pio.renderers[RENDERER] = lab_renderer()
+        pio.renderers[RENDERER] = LabRenderer()
     pio.renderers.default = RENDERER
 
 
 def interactive_bundle(figure) -> dict:
     """The plotly mime bundle of a figure without its static picture (a redraw inside JupyterLab, which shows
     the interactive figure only)."""
-    from plotly.io._base_renderers import PlotlyRenderer
-
     return PlotlyRenderer().to_mimebundle(figure.to_dict())
