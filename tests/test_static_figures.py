@@ -120,6 +120,18 @@ def test_nbconvert_html_shows_every_figure(executed):
     assert html.count('src="data:image/png;base64,') == len(figures)
 
 
+def test_the_picture_leaves_the_interactive_figure_as_plotly_gives_it():
+    """nbval compares a checked cell's plotly JSON with the stored one: drawing the PNG must not change it."""
+    _require_static_pictures()
+    import plotly.io as pio
+
+    fig = _figure("unchanged")
+    fig.add_bar(y=[1.5, 0.25, 3.0])
+    bundle = lab_display.LabRenderer().to_mimebundle(fig.to_dict())
+    assert bundle[PLOTLY] == pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())[PLOTLY]
+    assert _png_size(base64.b64decode(bundle["image/png"])) == (320, 240)
+
+
 def test_without_kaleido_the_figure_stays_and_one_line_says_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "kaleido", None)  # `import kaleido` now raises ImportError
     renderer = lab_display.LabRenderer()
