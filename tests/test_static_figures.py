@@ -162,6 +162,14 @@ def test_without_a_browser_the_figure_stays_and_one_line_says_why():
     assert "\n" not in line and "bytes per token" in line and "no Chrome or Chromium found" in line
 
 
+def test_the_switch_turns_pictures_off_without_starting_a_browser(monkeypatch):
+    monkeypatch.setenv(lab_display.SWITCH, "off")
+    monkeypatch.setattr("asyncio.new_event_loop", lambda: pytest.fail("a browser's loop was started"))
+    bundle = lab_display.LabRenderer().to_mimebundle(_figure("graded").to_dict())
+    assert set(bundle) == {PLOTLY, "text/plain"}
+    assert f"turned off by {lab_display.SWITCH}=off" in bundle["text/plain"]
+
+
 def test_a_render_past_its_time_gives_the_line_not_a_hang(monkeypatch):
     import asyncio
     import threading
