@@ -16,9 +16,11 @@ import os
 import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 
 from mhc_lab.course import display as lab_display
@@ -90,7 +92,8 @@ def test_every_figure_of_the_executed_lab_carries_its_png(executed):
         assert "image/png" in data, f"a figure without a static picture: {data.get('text/plain')}"
         width, height = _png_size(base64.b64decode(data["image/png"]))
         layout = data[PLOTLY]["layout"]
-        expected = (layout.get("width") or lab_display.DEFAULT_WIDTH, layout.get("height") or lab_display.DEFAULT_HEIGHT)
+        expected = (layout.get("width") or lab_display.DEFAULT_WIDTH,
+                    layout.get("height") or lab_display.DEFAULT_HEIGHT)
         assert (width, height) == expected, f"PNG of {width}x{height}, figure laid out as {expected}"
 
 
@@ -130,6 +133,41 @@ def test_the_picture_leaves_the_interactive_figure_as_plotly_gives_it():
     bundle = lab_display.LabRenderer().to_mimebundle(fig.to_dict())
     assert bundle[PLOTLY] == pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())[PLOTLY]
     assert _png_size(base64.b64decode(bundle["image/png"])) == (320, 240)
+
+
+def _png_parts(png: bytes) -> tuple[list[bytes], bytes]:
+    """The chunk kinds in order, and the image data inflated (the pixels, as filtered rows)."""
+    kinds, data, at = [], b"", 8
+    while at < len(png):
+        (length,) = struct.unpack(">I", png[at:at + 4])
+        kind, body = png[at + 4:at + 8], png[at + 8:at + 8 + length]
+        assert struct.unpack(">I", png[at + 8 + length:at + 12 + length])[0] == zlib.crc32(kind + body)
+        kinds.append(kind)
+        data += body if kind == b"IDAT" else b""
+        at += 12 + length
+    return kinds, zlib.decompress(data)
+
+
+@pytest.mark.parametrize("size", [(1, 1), (7, 3), (97, 61)])
+def test_recompressed_png_has_the_same_pixels_in_fewer_bytes(size):
+    """A PNG written the way a fast encoder writes one (several image-data chunks, low compression level)."""
+    width, height = size
+    rng = np.random.default_rng(width * height)
+    rows = b"".join(b"\x00" + rng.integers(0, 4, 4 * width, dtype=np.uint8).tobytes() for _ in range(height))
+    data = zlib.compress(rows, 1)
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    pieces = b"".join(chunk(b"IDAT", data[i:i + 50]) for i in range(0, len(data), 50))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0))
+           + chunk(b"tEXt", b"Software\x00test") + pieces + chunk(b"IEND", b""))
+    smaller = lab_display.recompressed(png)
+    kinds, pixels = _png_parts(smaller)
+    assert pixels == rows and kinds == [b"IHDR", b"tEXt", b"IDAT", b"IEND"]
+    assert _png_size(smaller) == size and len(smaller) <= len(png)
+    if width * height > 100:
+        assert len(smaller) < len(png)
 
 
 def test_without_kaleido_the_figure_stays_and_one_line_says_why(monkeypatch):

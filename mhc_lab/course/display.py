@@ -14,7 +14,9 @@ import asyncio
 import atexit
 import base64
 import os
+import struct
 import threading
+import zlib
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from plotly.io._base_renderers import MimetypeRenderer, PlotlyRenderer
@@ -33,6 +35,24 @@ def _reason(error: BaseException) -> str:
     """One line for the reader: the error's type and the first line of its message."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def recompressed(png: bytes) -> bytes:
+    """The same PNG, its image data deflated at zlib's highest level (the browser's encoder favours speed; about
+    a fifth fewer bytes in every stored notebook). Chunks other than the image data are kept as they are."""
+    chunks, at = [], 8
+    while at < len(png):
+        (length,) = struct.unpack(">I", png[at:at + 4])
+        chunks.append((png[at + 4:at + 8], png[at + 8:at + 8 + length]))
+        at += 12 + length
+    data = zlib.compress(zlib.decompress(b"".join(d for kind, d in chunks if kind == b"IDAT")), 9)
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    head = b"".join(chunk(k, d) for k, d in chunks if k not in (b"IDAT", b"IEND"))
+    smaller = png[:8] + head + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+    return smaller if len(smaller) < len(png) else png
 
 
 class StaticPictures:
@@ -89,7 +109,7 @@ class StaticPictures:
             layout = fig_dict.get("layout", {})
             opts = {"format": "png", "scale": 1, "width": layout.get("width") or DEFAULT_WIDTH,
                     "height": layout.get("height") or DEFAULT_HEIGHT}
-            return self._run(self._browser.calc_fig(fig_dict, opts=opts), RENDER_TIMEOUT_S), None
+            return recompressed(self._run(self._browser.calc_fig(fig_dict, opts=opts), RENDER_TIMEOUT_S)), None
         except Exception as error:  # a browser that cannot start or a failed render must not cost the figure
             reason = _reason(error)
             if isinstance(error, FutureTimeout):
