@@ -46,6 +46,10 @@ def setup(SIZE: str = "small", DEVICE: str = "auto", SEED: int = 0, quiet: bool 
     """Validate the notebook parameters, seed every generator, pin PyTorch's CPU threads, set the plot renderer;
     returns a LabConfig.
 
+    Plot renderer: every plotly figure then shows as one output with the interactive figure, which JupyterLab
+    shows, and a PNG of it, which viewers that run no JavaScript show (GitHub, nbconvert's HTML); where no PNG
+    can be drawn, those viewers show one line saying why instead (mhc_lab.course.display).
+
     Extra keyword arguments are lab parameters that define a variant (``setup(SIZE, DEVICE, SEED, n=n, C=C)``);
     they and SEED are recorded for the checks (checks.variant()), so a value answer depends on the variant.
 
@@ -78,9 +82,9 @@ def setup(SIZE: str = "small", DEVICE: str = "auto", SEED: int = 0, quiet: bool 
     torch.manual_seed(SEED)
     torch.set_num_threads(TIMING_THREADS)
     try:
-        import plotly.io as pio
+        from mhc_lab.course.display import use_lab_renderer
 
-        pio.renderers.default = "plotly_mimetype"
+        use_lab_renderer()
     except ImportError:  # plotly is a dependency; without it the labs still compute, only plots fail later
         pass
     # TileLang reports every compile at INFO level; the labs only want its warnings.
