@@ -140,7 +140,7 @@ def test_training_benchmark_refuses_a_part_it_does_not_have(capsys, parts):
         training.main(["--parts", parts])
     assert refused.value.code == 2
     err = capsys.readouterr().err
-    assert (f"--parts: expected parts among site, block, block_kernels, host, portable, stack, deepseek_v4, got "
+    assert (f"--parts: expected parts among site, block, block_kernels, host, portable, stack, peers, deepseek_v4, got "
             f"{parts!r}") in err
 
 
