@@ -388,3 +388,86 @@ def test_answers_travel_as_plain_data_or_handles():
     assert (type(number), number, type(count), count) == (float, 1.5, int, 3)
     assert torch.equal(tensors[0], torch.ones(2)) and mapping == {"k": torch.float32}
     assert handle[grading_kernel.HANDLE] >= 1 and handle["type"] == "object" and handle["callable"] is False
+
+
+# ---- steering the expected value: the learner's function writes into the check's inputs ------------------------
+
+
+def _zero_everything(value, depth=0) -> int:
+    """Zero, in place, every tensor in ``value`` (lists, tuples, dicts, objects' attributes); returns how many."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        with torch.no_grad():
+            value.zero_()
+        return 1
+    if depth > 6 or value is None or isinstance(value, (bool, int, float, str)):
+        return 0
+    if isinstance(value, (list, tuple)):
+        return sum(_zero_everything(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return sum(_zero_everything(v, depth + 1) for v in value.values())
+    if isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type):
+        return sum(_zero_everything(v, depth + 1) for v in vars(value).values())
+    return 0
+
+
+def _steering(exercise):
+    """The attack of a learner who read the checks: zero every input tensor in place, then answer correctly *for
+    the zeroed inputs* (the library's equation under its own code object): a check that computes its expected
+    value from the same tensors after the call would agree."""
+    from test_checks import own_copy
+
+    equation = own_copy(exercise.library_function())
+    zeroed = [0]
+
+    def answer(*args, **kwargs):
+        zeroed[0] += _zero_everything((args, kwargs))
+        return equation(*args, **kwargs)
+
+    return answer, zeroed
+
+
+STEERABLE = [e for e in __import__("mhc_lab.course.checks", fromlist=["all_exercises"]).all_exercises()
+             if e.library and not e.id.startswith(("5.1", "5.2", "5.3", "6.1", "6.2"))]
+
+
+@pytest.mark.parametrize("exercise", STEERABLE, ids=lambda e: e.id)
+def test_zeroing_the_inputs_in_place_passes_no_check(exercise):
+    """Exercise 1.4 once scored 0.625 this way (its check called the learner before computing the expected
+    value on the same tensors). Every check now hands the learner private copies (checks.call), so whatever the
+    learner's function writes into its inputs moves no expected value; and writing into them fails."""
+    from mhc_lab.course.checks import CheckFailed, run_check
+
+    answer, zeroed = _steering(exercise)
+    try:
+        run_check(exercise.id, answer)
+    except CheckFailed as failure:
+        assert zeroed[0], f"{exercise.id} failed before the attack zeroed anything: {failure}"
+        return
+    assert not zeroed[0], f"exercise {exercise.id}: zeroing its {zeroed[0]} input tensors in place passed the check"
+
+
+def test_a_check_never_hands_the_learner_its_own_tensors():
+    """checks.call: the learner's function gets copies (layers and models included); the caller's tensors are
+    left as they were, and the change is named."""
+    import torch
+
+    from mhc_lab.course.checks import CheckFailed, TanhLayer, call
+
+    x, layer = torch.ones(3), TanhLayer(torch.eye(3), torch.zeros(3))
+    seen = []
+
+    def writes(x, layer, scale=None):
+        seen.append((x, layer))
+        layer.weight.zero_()
+        return x.mul_(0)
+
+    with pytest.raises(CheckFailed, match=r"changed its input argument 1, argument 2\.weight in place"):
+        call(writes, x, layer, scale=torch.ones(1), case="three ones")
+    assert torch.equal(x, torch.ones(3)) and torch.equal(layer.weight, torch.eye(3))
+    assert seen[0][0] is not x and seen[0][1] is not layer
+    with pytest.raises(CheckFailed, match=r"changed its input `scale` in place"):
+        call(lambda x, scale: scale.add_(1), x, scale=torch.ones(1), case="a scale")
+    leaf = torch.ones(2, requires_grad=True)
+    assert call(lambda t: t.requires_grad, leaf, case="a leaf") is True
