@@ -136,6 +136,40 @@ def serve(text):
 channel.serve = serve
 """
 
+# Run only when the grader calls (its channel's cell names `_mhc_lab_serve` in the notebook): 0.1 exits, 0.2 ends
+# its kernel, 0.3 is the solution's. A crash or an exit in one exercise costs that exercise only.
+EXITS = """
+import os, sys
+_bytes, _rate = bytes_moved_by_copy, gigabytes_per_second
+def bytes_moved_by_copy(numel, dtype):
+    if "_mhc_lab_serve" in globals():
+        sys.exit(0)
+    return _bytes(numel, dtype)
+def gigabytes_per_second(nbytes, seconds):
+    if "_mhc_lab_serve" in globals():
+        os._exit(1)
+    return _rate(nbytes, seconds)
+"""
+
+# A notebook that found the hidden checks (as if it had searched the disk) and sends their text back in its
+# exceptions: while graded (0.1), and from a cell of its own. Its feedback must not carry them.
+LEAK = """
+import pathlib
+_secret = "\\n".join(p.read_text() for p in sorted(pathlib.Path({folder!r}).glob("lab*.py")))
+def bytes_moved_by_copy(numel, dtype):
+    raise ValueError(_secret[_secret.index("@hidden"):])
+raise RuntimeError(_secret[_secret.index("@hidden"):][:250])
+"""
+
+# A cell that asks for 16 GiB: the kernel's address space is limited (8 GiB by default), so the allocation
+# fails in that cell and the grader goes on.
+HUNGRY = """
+import resource
+print("address space limit:", resource.getrlimit(resource.RLIMIT_AS))
+hoard = torch.empty(2**34, dtype=torch.uint8)
+print("allocated 16 GiB")
+"""
+
 ENDLESS = """
 print("reached the endless loop")
 import signal, time
@@ -178,8 +212,15 @@ def attacked(tmp_path_factory, private_hidden):
     _with_cell(LABS_DIR / LAB, PATCH_THE_GRADER, folder / "h_patch_00_setup.ipynb")
     _with_cell(LABS_DIR / LAB, REPLACE_THE_CHANNEL, folder / "i_channel_00_setup.ipynb")
     shutil.copy(SOLUTIONS_DIR / LAB, folder / "f_honest_00_setup.ipynb")
+    nb = _edit(nbformat.read(SOLUTIONS_DIR / LAB, as_version=4), 'check("0.3", matmul_intensity)',
+               EXITS + '\ncheck("0.3", matmul_intensity)')
+    nbformat.write(nb, folder / "j_exits_00_setup.ipynb")
+    nb = _edit(nbformat.read(SOLUTIONS_DIR / LAB, as_version=4), 'check("0.2", gigabytes_per_second)',
+               LEAK.format(folder=str(private_hidden)) + '\ncheck("0.2", gigabytes_per_second)')
+    nbformat.write(nb, folder / "k_leak_00_setup.ipynb")
+    _with_cell(SOLUTIONS_DIR / LAB, HUNGRY, folder / "l_hungry_00_setup.ipynb")
     out = tmp_path_factory.mktemp("graded")
-    report = grade_paths([folder], out_dir=out, timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
+    report = grade_paths([folder], allow_root=True, out_dir=out, timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
                          check_timeout=CHECK_TIMEOUT, hidden_dir=private_hidden, jobs=2, log=None)
     return {"report": report, "rows": _rows(report, folder), "out": out, "digest": digest}
 
@@ -264,6 +305,42 @@ def test_100_megabytes_of_output_are_capped_and_flagged(attacked):
 
 
 @pytest.mark.notebooks
+def test_an_exit_or_a_dead_kernel_in_one_exercise_costs_that_exercise_only(attacked):
+    row = attacked["rows"][f"j_exits_{LAB}"]
+    assert row["status"] == "graded", row
+    by_id = {e["id"]: e for e in row["exercises"]}
+    assert by_id["0.1"]["score"] == 0 and "SystemExit" in by_id["0.1"]["message"], by_id["0.1"]
+    assert by_id["0.2"]["status"] == "crashed" and by_id["0.2"]["score"] == 0, by_id["0.2"]
+    assert "kernel died while `gigabytes_per_second`" in by_id["0.2"]["message"]
+    assert by_id["0.3"]["score"] == 1 and row["score"] == 1, format_report({"submissions": [row]})
+
+
+@pytest.mark.notebooks
+def test_the_hidden_checks_raised_back_by_a_notebook_never_reach_its_feedback(attacked, private_hidden):
+    from mhc_lab.classroom.report import SHINGLE, _code_pieces
+
+    row = attacked["rows"][f"k_leak_{LAB}"]
+    assert row["status"] == "graded" and row["score"] == 2, format_report({"submissions": [row]})
+    feedback = "".join(Path(row["feedback"]).read_text().split())
+    pieces = [piece for text in read_hidden(private_hidden).values() for piece in _code_pieces(text)]
+    leaked = [piece[i:i + SHINGLE] for piece in pieces for i in range(0, len(piece) - SHINGLE + 1, 8)
+              if piece[i:i + SHINGLE] in feedback]
+    assert not leaked, leaked[:5]
+    assert "left out: this text repeats the grader's hidden checks" in Path(row["feedback"]).read_text()
+    assert "@hidden(" in json.dumps(row)  # the instructor's report keeps what the notebook raised
+
+
+@pytest.mark.notebooks
+def test_a_kernel_that_asks_for_too_much_memory_is_refused_and_the_rest_graded(attacked):
+    row = attacked["rows"][f"l_hungry_{LAB}"]
+    assert row["status"] == "graded" and row["score"] == 3, format_report({"submissions": [row]})
+    text = _executed(row)
+    assert f"address space limit: ({8 * 2**30}, {8 * 2**30})" in text and "allocated 16 GiB" not in text
+    assert any(e["ename"] in ("RuntimeError", "MemoryError") and "allocate" in e["evalue"]
+               for e in row["cell_errors"]), row["cell_errors"]
+
+
+@pytest.mark.notebooks
 def test_a_notebook_that_never_ends_is_timed_out_and_its_partial_notebook_kept(attacked):
     row = attacked["rows"][f"d_endless_{LAB}"]
     assert row["status"] == "timed out" and row["score"] == 0, row
@@ -289,7 +366,7 @@ def test_relative_hidden_folder_is_used_and_a_deleted_one_still_grades_the_rest(
     _with_cell(LABS_DIR / LAB, f"import shutil\nshutil.rmtree({str(hidden)!r})", subs / "a_delete_00_setup.ipynb")
     shutil.copy(SOLUTIONS_DIR / LAB, subs / "b_honest_00_setup.ipynb")
     monkeypatch.chdir(tmp_path)
-    code = main(["grade", "subs", "--hidden", "private_hidden", "--out", "out", "--json", "report.json",
+    code = main(["grade", "--allow-root", "subs", "--hidden", "private_hidden", "--out", "out", "--json", "report.json",
                  "--timeout", "120", "--cell-timeout", "30", "--check-timeout", str(CHECK_TIMEOUT)])
     assert code == 0
     report = json.loads((tmp_path / "report.json").read_text())
@@ -300,7 +377,7 @@ def test_relative_hidden_folder_is_used_and_a_deleted_one_still_grades_the_rest(
     assert honest["score"] == 3 and HIDDEN_NAMES <= {c["name"] for e in honest["exercises"] for c in e["checks"]}
     assert any("changed on disk while grading" in w for w in report["warnings"])
     assert "changed on disk while grading" in capsys.readouterr().out
-    assert main(["grade", "subs", "--hidden", "private_hidden", "--out", "out"]) == 2
+    assert main(["grade", "--allow-root", "subs", "--hidden", "private_hidden", "--out", "out"]) == 2
     assert f"hidden checks folder {hidden}" in capsys.readouterr().err
 
 
@@ -308,27 +385,27 @@ def test_missing_empty_or_unrelated_hidden_folders_are_errors(tmp_path, capsys):
     submission = tmp_path / LAB
     shutil.copy(SOLUTIONS_DIR / LAB, submission)
     out = tmp_path / "out"
-    assert main(["grade", str(submission), "--hidden", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+    assert main(["grade", "--allow-root", str(submission), "--hidden", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"hidden checks folder {tmp_path / 'nowhere'}" in err and "found nothing there" in err
     (tmp_path / "empty").mkdir()
-    assert main(["grade", str(submission), "--hidden", str(tmp_path / "empty"), "--out", str(out)]) == 2
+    assert main(["grade", "--allow-root", str(submission), "--hidden", str(tmp_path / "empty"), "--out", str(out)]) == 2
     assert "expected lab*.py files, found none" in capsys.readouterr().err
     (tmp_path / "other").mkdir()
     shutil.copy(HIDDEN_DIR / "lab01.py", tmp_path / "other" / "lab01.py")
-    assert main(["grade", str(submission), "--hidden", str(tmp_path / "other"), "--out", str(out)]) == 2
+    assert main(["grade", "--allow-root", str(submission), "--hidden", str(tmp_path / "other"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'other'}: expected checks for lab {LAB}" in err and "--no-hidden" in err
-    assert main(["grade", str(submission), "--hidden", str(tmp_path / "other"), "--no-hidden"]) == 2
+    assert main(["grade", "--allow-root", str(submission), "--hidden", str(tmp_path / "other"), "--no-hidden"]) == 2
     assert not out.exists(), "nothing may run before the hidden checks are found good"
     with pytest.raises(HiddenChecksError, match="found nothing there"):
-        grade_paths([submission], out_dir=out, hidden_dir=tmp_path / "nowhere", log=None)
+        grade_paths([submission], allow_root=True, out_dir=out, hidden_dir=tmp_path / "nowhere", log=None)
 
 
 @pytest.mark.notebooks
 def test_no_hidden_grades_with_the_visible_checks_only_and_says_so(tmp_path, capsys):
     shutil.copy(SOLUTIONS_DIR / LAB, tmp_path / LAB)
-    code = main(["grade", str(tmp_path / LAB), "--no-hidden", "--out", str(tmp_path / "out"), "--timeout", "120"])
+    code = main(["grade", "--allow-root", str(tmp_path / LAB), "--no-hidden", "--out", str(tmp_path / "out"), "--timeout", "120"])
     assert code == 0
     captured = capsys.readouterr()
     assert "visible checks only" in captured.out and "--no-hidden" in captured.err
@@ -471,3 +548,118 @@ def test_a_check_never_hands_the_learner_its_own_tensors():
         call(lambda x, scale: scale.add_(1), x, scale=torch.ones(1), case="a scale")
     leaf = torch.ones(2, requires_grad=True)
     assert call(lambda t: t.requires_grad, leaf, case="a leaf") is True
+
+
+# ---- running as root: the kernels as users of their own, or no grading without --allow-root --------------------
+
+
+def test_as_root_without_a_user_to_drop_to_grading_refuses_unless_allowed(tmp_path, monkeypatch, capsys):
+    """As root, a notebook that runs as root can read the worker's pipe (its token) and forge its result, and a
+    classmate's with --jobs 2. Where no unprivileged user can run the course's Python, grade refuses."""
+    from mhc_lab.classroom import grading, sandbox
+
+    monkeypatch.setattr(grading.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox, "can_drop_to_another_user", lambda env=None: "Permission denied: python")
+    shutil.copy(SOLUTIONS_DIR / LAB, tmp_path / LAB)
+    assert main(["grade", str(tmp_path / LAB), "--no-hidden", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "running as root" in err and "--allow-root" in err and "Permission denied: python" in err
+    assert not (tmp_path / "out").exists()
+    box, who, warnings = grading.kernel_box(2**30, allow_root=True)
+    assert box == {"memory": 2**30, "drop": False} and who == "root (--allow-root)"
+    assert "forge its result or a classmate's" in warnings[0]
+    monkeypatch.setattr(sandbox, "can_drop_to_another_user", lambda env=None: None)
+    box, who, warnings = grading.kernel_box(None, allow_root=False)
+    assert box == {"memory": None, "drop": True} and not warnings and "a user of their own" in who
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0,
+                    reason="dropping to another user needs root")
+def test_the_box_runs_the_kernel_as_a_user_of_its_own_with_limits():
+    """What the kernel spec's command does before it becomes the kernel, shown on a shell instead: another user
+    id and group, no other groups, the limits set, and a file closed to others unreadable."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from mhc_lab.classroom import sandbox
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="mhc-box-"))  # under /tmp, as the worker's folder is
+
+    secret = tmp_path / "secret.py"
+    secret.write_text("the hidden checks")
+    secret.chmod(0o600)
+    connection = tmp_path / "kernel.json"
+    connection.write_text("{}")
+    connection.chmod(0o600)
+    os.chmod(tmp_path, 0o711)
+    uid = sandbox.kernel_uid()
+    script = f"id -u; id -g; id -G; ulimit -v; ulimit -f; pwd; cat {connection} && echo readable; cat {secret} || echo closed"
+    done = subprocess.run([sys.executable, "-m", "mhc_lab.classroom.sandbox", "--memory", str(2**30), "--uid",
+                           str(uid), "--", "/bin/sh", "-c", script, "-f", str(connection)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    lines = done.stdout.split()
+    assert lines[:3] == [str(uid), str(uid), str(uid)], (done.stdout, done.stderr)
+    assert lines[3] == str(2**30 // 1024) and lines[4] == str(sandbox.FILE_SIZE // 512)
+    assert lines[5] == str(tmp_path / f"work-{uid}")
+    assert lines[6:] == ["{}readable", "closed"] and "the hidden checks" not in done.stdout, done.stdout
+    sandbox.end_processes_of(uid)
+    shutil.rmtree(tmp_path)
+
+
+# ---- the library's answers, however reached, while their exercise is graded (lab 03) -----------------------------
+
+# Each cheat reaches the library's answer another way: from a thread started before grading with the watch on
+# calls switched off (3.2, through sinkhorn_log_domain, which equals the paper's version), through the dispatcher
+# sinkhorn() with the watch switched off (3.3), rebuilt from the code object (3.4), traced by torch.jit (3.6).
+# 3.1 and 3.5 stay the solution's own (3.5 calls the library's sinkhorn, as its hint says: still allowed).
+LIBRARY_TRICKS = """
+import importlib, queue, sys, threading, types, torch
+from mhc_lab.reference import sinkhorn_log_domain as _sld, sinkhorn as _sk, mhc_post as _mp
+_skmod = importlib.import_module("mhc_lab.reference.sinkhorn")
+_jobs, _done = queue.Queue(), queue.Queue()
+def _helper():
+    sys.setprofile(None); threading.setprofile(None)
+    while True:
+        args, kwargs = _jobs.get()
+        try:
+            _done.put(_sld(*args, **kwargs))
+        except BaseException as error:
+            _done.put(error)
+threading.Thread(target=_helper, daemon=True).start()
+def sinkhorn_paper_mine(logits, iterations=20):
+    _jobs.put(((logits,), {"iterations": iterations}))
+    out = _done.get()
+    if isinstance(out, BaseException):
+        raise out
+    return out
+def sinkhorn_v4_mine(logits, iterations=20, eps=1e-6):
+    sys.setprofile(None); threading.setprofile(None)
+    return _sk(logits, variant="deepseek_v4", iterations=iterations, eps=eps)
+def sinkhorn_log_mine(logits, iterations=20):
+    rebuilt = types.FunctionType(_skmod.sinkhorn_log_domain.__code__, _skmod.__dict__)
+    return rebuilt(logits, iterations)
+def mhc_post_mine(x, layer_out, post, res):
+    return torch.jit.trace(_mp, (x, layer_out, post, res), check_trace=False)(x, layer_out, post, res)
+"""
+
+
+@pytest.mark.notebooks
+def test_the_library_answers_are_withheld_however_they_are_reached(tmp_path, private_hidden):
+    lab = "03_mhc.ipynb"
+    nb = _edit(nbformat.read(SOLUTIONS_DIR / lab, as_version=4), 'check("3.6", mhc_post_mine)',
+               LIBRARY_TRICKS + '\ncheck("3.6", mhc_post_mine)')
+    nbformat.write(nb, tmp_path / f"tricks_{lab}")
+    report = grade_paths([tmp_path / f"tricks_{lab}"], allow_root=True, out_dir=tmp_path / "out", timeout=600,
+                         cell_timeout=300, check_timeout=60, hidden_dir=private_hidden, log=None)
+    row = report["submissions"][0]
+    by_id = {e["id"]: e for e in row["exercises"]}
+    shown = format_report(report)
+    assert row["status"] == "graded" and row["score"] == 2, shown
+    assert by_id["3.1"]["score"] == by_id["3.5"]["score"] == 1, shown
+    for exercise, name in [("3.2", "sinkhorn_log_domain"), ("3.3", "sinkhorn.sinkhorn"),
+                           ("3.4", "sinkhorn_log_domain"), ("3.6", "mhc_post")]:
+        assert by_id[exercise]["status"] == "uses the library", (exercise, by_id[exercise]["message"])
+        assert f"{name} is withheld while exercise {exercise} is graded" in json.dumps(by_id[exercise]), exercise

@@ -117,6 +117,8 @@ class KernelSession:
         self.client, self.cell_index, self.caps = client, cell_index, caps
         self.library: tuple[str, ...] = ()  # the current exercise's own library functions, watched for
         self.library_seen: set[str] = set()
+        self.exercise = ""  # the exercise being graded, and the library functions withheld meanwhile
+        self.withheld: tuple[str, ...] = ()
         self.deadline: float | None = None
         self.requests = 0
 
@@ -144,7 +146,7 @@ class KernelSession:
 
         kwargs = kwargs or {}
         message = {"kind": kind, "target": target, "function": function, "args": _outbound(tuple(args)), "kwargs": _outbound(dict(kwargs)),
-                   "library": tuple(self.library)}
+                   "library": tuple(self.library), "withheld": tuple(self.withheld), "exercise": self.exercise}
         try:
             text = base64.b64encode(pickle.dumps(message, protocol=4)).decode()
         except Exception as error:
@@ -191,6 +193,9 @@ class KernelSession:
         if not isinstance(answer, dict):
             raise _error_class("NotData")("the learner's kernel answered with something else than an answer")
         if "error" in answer:
+            if answer["error"].get("type") == "Withheld":  # the learner's function reached a withheld answer
+                text = str(answer["error"].get("message", ""))
+                self.library_seen.update([n for n in self.withheld if f"{n} is withheld" in text] or self.withheld)
             raise self._exception(answer["error"])
         self.library_seen.update(str(name) for name in answer.get("library", ()))
         mine = tensors_in((args, kwargs))

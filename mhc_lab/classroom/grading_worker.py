@@ -113,7 +113,10 @@ def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None
     limit = session.time_limit if session is not None else _time_limit
     watch = library_calls([exercise.library])
     if session is not None:
+        from mhc_lab.classroom.withheld import withheld_names
+
         session.library, session.library_seen = (exercise.library,), set()
+        session.exercise, session.withheld = exercise.id, withheld_names(exercise.id, exercise.library)
     elif callable(answer) and not is_remote(answer):
         answer = watch.wrap(answer)
     learner, learner_calls = recorder(answer) if callable(answer) else (answer, None)
@@ -456,6 +459,17 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
             uids.append(uid)
         sandbox.write_kernel_spec(kernels, memory=box.get("memory"), uid=uid)
 
+    def record_withheld():
+        """Before any of the notebook's code: the kernel records the code of the library's answers to this lab's
+        exercises, to withhold each while its exercise is graded (withheld)."""
+        from mhc_lab.classroom.withheld import withheld_names
+        from mhc_lab.course.checks import get_exercise
+
+        names = sorted({n for i, _ in job["exercises"] for n in withheld_names(i, get_exercise(i).library)})
+        source = f"__import__('mhc_lab.classroom.withheld', fromlist=['record']).record({names!r})"
+        client.execute_cell(nbformat.v4.new_code_cell(source), grading_index, store_history=False)
+        caps.cleared([], grading_index)
+
     box_next_kernel()
     client = _capped_client_class()(
         nb, timeout=job["cell_timeout"], interrupt_on_timeout=True, allow_errors=True,
@@ -468,13 +482,14 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
     graded: list[dict] | None = None
     try:
         client.reset_execution_trackers()
+        nb.cells.append(nbformat.v4.new_code_cell(""))  # the slot the grader's own cells run in (never stored)
         with client.setup_kernel():
-            for index, cell in enumerate(nb.cells):
+            record_withheld()
+            for index, cell in enumerate(nb.cells[:grading_index]):
                 client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
             state.update(cell=None, source="", grading=True)
             send("progress", state)
             snapshot()
-            nb.cells.append(nbformat.v4.new_code_cell(""))  # the slot the channel's requests run in
             graded = []
             try:
                 _grade_in_worker(KernelSession(client, grading_index, caps), {**job, "variant": variant}, graded)
@@ -489,6 +504,7 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
             client.caps = replay_caps
             with client.setup_kernel():
                 send("progress", {"kernel_pid": getattr(getattr(client.km, "provisioner", None), "pid", None)})
+                record_withheld()
                 for index, cell in enumerate(nb.cells[:grading_index]):
                     client.execute_cell(nbformat.from_dict(json.loads(json.dumps(cell))), index,
                                         execution_count=client.code_cells_executed + 1)
