@@ -28,7 +28,7 @@ from test_grading import _edit
 LAB = "00_setup.ipynb"
 SETUP = "cfg = setup(SIZE, DEVICE, SEED)"
 # Short limits: lab 00 grades in under 10 s alone; the endless notebook costs NOTEBOOK_TIMEOUT.
-NOTEBOOK_TIMEOUT, CELL_TIMEOUT, CHECK_TIMEOUT = 45, 20, 5
+NOTEBOOK_TIMEOUT, CELL_TIMEOUT, CHECK_TIMEOUT = 90, 30, 10
 HIDDEN_NAMES = {"every dtype, not only the floating ones", "zero, one and more than 2**32 elements"}
 
 FAKE = [{"id": i, "title": "", "status": "passed", "score": 1.0, "checks": [], "message": ""}
@@ -411,6 +411,7 @@ def test_no_hidden_grades_with_the_visible_checks_only_and_says_so(tmp_path, cap
     assert "visible checks only" in captured.out and "--no-hidden" in captured.err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["settings"]["checks"] == "visible only (--no-hidden)" and report["settings"]["hidden_checks"] is None
+    assert "the visible checks only" in Path(report["submissions"][0]["feedback"]).read_text()
     row = report["submissions"][0]
     assert row["score"] == 3 and all([c["name"] for c in e["checks"]] == ["visible check"] for e in row["exercises"])
 
@@ -663,3 +664,54 @@ def test_the_library_answers_are_withheld_however_they_are_reached(tmp_path, pri
                            ("3.4", "sinkhorn_log_domain"), ("3.6", "mhc_post")]:
         assert by_id[exercise]["status"] == "uses the library", (exercise, by_id[exercise]["message"])
         assert f"{name} is withheld while exercise {exercise} is graded" in json.dumps(by_id[exercise]), exercise
+
+
+def test_code_review_names_lookups_built_at_run_time():
+    """Advisory flags (they do not score): the ways to reach a library function that a lab never asks for."""
+    from mhc_lab.classroom.code_review import suspicious_cells
+
+    cells = {
+        "import pkgutil\nf = pkgutil.resolve_name('mhc_lab.reference:sinkhorn_' + 'paper')": "built at run time",
+        "import mhc_lab.reference as r\nf = getattr(r, 'sinkhorn_' + 'paper')": "built at run time",
+        "f = vars(ref)['sinkhorn_paper']": "built at run time",
+        "import inspect\nexec(inspect.getsource(ref.sinkhorn_paper))": "source files",
+        "import sys\nsys.path.insert(0, '/opt/course')": "source files",
+        "import gc\nfns = [o for o in gc.get_objects() if callable(o)]": "withholding",
+        "traced = torch.jit.trace(mhc_post, (x, f, post, res))": "torch.jit",
+    }
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in cells])
+    found = suspicious_cells(nb)
+    for number, (code, what) in enumerate(cells.items(), start=1):
+        assert any(f["cell"] == number and what in f["what"] for f in found), (code, found)
+    honest = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "def sinkhorn_paper_mine(logits, iterations=20):\n    m = logits.exp()\n    return m / m.sum(-1, keepdim=True)")])
+    assert not suspicious_cells(honest)
+
+
+def test_each_variant_is_graded_on_fresh_inputs_of_its_own():
+    """The generic hidden check re-runs the visible check on fresh random inputs drawn for the notebook's own
+    variant (its SEED): two learners' graded answers are computed on other inputs."""
+    from mhc_lab.classroom.hidden_checks import generic_checks, recorder
+    from mhc_lab.course.checks import get_exercise, set_variant, variant
+    from test_checks import own_copy
+
+    exercise = get_exercise("3.2")
+    saved = variant()
+    seen = {}
+    try:
+        for seed in (0, 1, 2):
+            set_variant(SEED=seed)
+            answer, calls = recorder(own_copy(exercise.library_function()))
+            fresh = next(c for c in generic_checks(exercise, answer, []) if "fresh" in c.name)
+            calls.clear()
+            fresh.run(answer)
+            seen[seed] = calls[0][0][0]
+    finally:
+        set_variant(**saved)
+    assert not torch_equal(seen[0], seen[1]) and not torch_equal(seen[1], seen[2])
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))

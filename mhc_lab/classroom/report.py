@@ -206,7 +206,7 @@ def _not_graded(row: dict) -> str:
     return f"Not graded ({status}): {detail}"
 
 
-def feedback_text(row: dict, private=(), secrets=()) -> str:
+def feedback_text(row: dict, private=(), secrets=(), visible_only: bool = False) -> str:
     """One submission's feedback, in Markdown: the lab, the total, then every exercise with its score, status and
     each check (passed or failed, with its message), then the cells that raised. Paths of the grader's machine
     (``private`` folders, the course, the Python installation, home) are left out; each message is cut to
@@ -228,6 +228,8 @@ def feedback_text(row: dict, private=(), secrets=()) -> str:
     if row.get("variant"):
         lines.append(f"- variant: {', '.join(f'{k}={v}' for k, v in row['variant'].items())}")
     lines.append(f"- total: **{row.get('score', 0):g} / {row.get('max_score', 0)}**")
+    if visible_only:
+        lines.append("- checks: the visible checks only (your notebook's own); the hidden checks were not run")
     lines.append("")
     if row.get("status") != "graded":
         lines += [clean(_not_graded(row)), "", "Every exercise scores 0.", ""]
@@ -267,6 +269,8 @@ def write_feedback(report: dict, private=(), secrets=()) -> list[Path]:
             continue
         path = Path(row["feedback"])
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(feedback_text(row, private, secrets))
+        visible_only = str(row.get("checks") or (report.get("settings") or {}).get("checks", "")).startswith(
+            "visible only")
+        path.write_text(feedback_text(row, private, secrets, visible_only))
         written.append(path)
     return written

@@ -3,10 +3,10 @@
 An exercise's own library function (``Exercise.library``) is one answer to it; ANSWERS lists the others the
 library holds (found by tests/test_grading_attacks.py's search, or written by hand where an adapter is needed:
 ``depth_profile(...).gradient`` answers 1.5). Before the notebook's first cell runs, the grader's worker records
-the code of every one of them (``record``); while the grader calls the learner's function for exercise E, every
+the code of every one of them (``record``); while the grader calls the learner's functions for exercise E, every
 reference to that code in the kernel (every function object that runs it, under any name, in any thread, and
 every list, dict or closure cell that holds the code object itself) is swapped for code that raises
-``Withheld`` (``withholding``), and swapped back after the call. So the library's answer to E cannot run while
+``Withheld`` (``withholding``), from E's first request until the next exercise's. So the library's answer to E cannot run while
 E is graded, however it is reached: an alias, getattr, a function rebuilt from the code object, a thread started
 earlier, a wrapper, or another library function that calls it (``sinkhorn(variant="paper")`` calls
 ``sinkhorn_paper``). A call that reaches it fails the check, and the grader reports the exercise as using the
@@ -89,46 +89,69 @@ def _raiser(code: types.CodeType, dotted: str, exercise: str) -> types.CodeType:
     return raising.replace(co_name=code.co_name, co_qualname=getattr(code, "co_qualname", code.co_name))
 
 
+_ACTIVE: dict = {"key": ((), ""), "swaps": []}  # what is withheld now, and how to give it back
+
+
 @contextlib.contextmanager
 def withholding(names, exercise: str):
-    """While the block runs, the recorded code of ``names`` cannot run anywhere in this process (module doc).
-    A reference that cannot be swapped (the code in a tuple, a frame running it now) raises Withheld at once."""
-    swaps: list[tuple] = []
-    own = {id(_CODES), id(swaps)}
-    try:
-        for dotted in names:
-            code = _CODES.get(dotted)
-            if code is None:
-                continue
-            raising = _raiser(code, dotted, exercise)
-            for holder in gc.get_referrers(code):
-                if id(holder) in own:
-                    continue
-                if isinstance(holder, types.FunctionType) and holder.__code__ is code:
-                    holder.__code__ = raising
-                    swaps.append(("function", holder, None, code))
-                elif isinstance(holder, dict):
-                    for key, value in list(holder.items()):
-                        if value is code:
-                            holder[key] = raising
-                            swaps.append(("item", holder, key, code))
-                elif isinstance(holder, list):
-                    for index, value in enumerate(holder):
-                        if value is code:
-                            holder[index] = raising
-                            swaps.append(("item", holder, index, code))
-                elif isinstance(holder, types.CellType):
-                    holder.cell_contents = raising
-                    swaps.append(("cell", holder, None, code))
-                elif isinstance(holder, (tuple, types.FrameType)):
-                    raise Withheld(f"{dotted} is withheld while exercise {exercise} is graded, and its code is held "
-                                   "where the grader cannot withhold it (a tuple, or a call running now)")
-        yield
-    finally:
-        for kind, holder, key, code in reversed(swaps):
-            if kind == "function":
-                holder.__code__ = code
-            elif kind == "item":
-                holder[key] = code
-            else:
-                holder.cell_contents = code
+    """From now until another exercise's request comes, the recorded code of ``names`` cannot run anywhere in
+    this process (module doc); the swap is made once per exercise, at its first request. A reference that
+    cannot be swapped (the code in a tuple, a frame running it now) raises Withheld at once."""
+    key = (tuple(names), str(exercise))
+    if key != _ACTIVE["key"]:
+        _give_back()
+        _withhold(*key)  # raises, and leaves the key unset, when a reference cannot be swapped: so does every call
+        _ACTIVE["key"] = key
+    yield
+
+
+def _give_back() -> None:
+    for kind, holder, index, code in reversed(_ACTIVE["swaps"]):
+        if kind == "function":
+            holder.__code__ = code
+        elif kind == "item":
+            holder[index] = code
+        else:
+            holder.cell_contents = code
+    _ACTIVE["swaps"] = []
+    _ACTIVE["key"] = ((), "")
+
+
+def _withhold(names: tuple, exercise: str) -> None:
+    swaps = _ACTIVE["swaps"]
+    codes = {id(_CODES[d]): _CODES[d] for d in names if d in _CODES}  # no tuple of ours may hold a code
+    named = {id(_CODES[d]): d for d in names if d in _CODES}
+    if not codes:
+        return
+    raising = {key: _raiser(code, named[key], exercise) for key, code in codes.items()}
+    own = {id(_CODES), id(swaps), id(codes), id(_ACTIVE)}
+    blocked = None
+    for holder in gc.get_referrers(*codes.values()):
+        if id(holder) in own:
+            continue
+        if isinstance(holder, types.FunctionType) and id(holder.__code__) in codes:
+            swaps.append(("function", holder, None, holder.__code__))
+            holder.__code__ = raising[id(holder.__code__)]
+        elif isinstance(holder, dict):
+            for index, value in list(holder.items()):
+                if id(value) in codes and value is codes[id(value)]:
+                    swaps.append(("item", holder, index, value))
+                    holder[index] = raising[id(value)]
+        elif isinstance(holder, list):
+            for index, value in enumerate(holder):
+                if id(value) in codes and value is codes[id(value)]:
+                    swaps.append(("item", holder, index, value))
+                    holder[index] = raising[id(value)]
+        elif isinstance(holder, types.CellType):
+            value = holder.cell_contents
+            if id(value) in codes:
+                swaps.append(("cell", holder, None, value))
+                holder.cell_contents = raising[id(value)]
+        elif isinstance(holder, (tuple, types.FrameType)):
+            frame_code = getattr(holder, "f_code", None)
+            held = [v for v in (holder if isinstance(holder, tuple) else (frame_code,)) if id(v) in codes]
+            if held:
+                blocked = named[id(held[0])]
+    if blocked is not None:
+        raise Withheld(f"{blocked} is withheld while exercise {exercise} is graded, and its code is held where the "
+                       "grader cannot withhold it (a tuple, or a call running now)")
