@@ -516,9 +516,9 @@ STEERABLE = [e for e in __import__("mhc_lab.course.checks", fromlist=["all_exerc
 
 @pytest.mark.parametrize("exercise", STEERABLE, ids=lambda e: e.id)
 def test_zeroing_the_inputs_in_place_passes_no_check(exercise):
-    """Exercise 1.4 once scored 0.625 this way (its check called the learner before computing the expected
-    value on the same tensors). Every check now hands the learner private copies (checks.call), so whatever the
-    learner's function writes into its inputs moves no expected value; and writing into them fails."""
+    """A check that computed its expected value from the same tensors after calling the learner would pass this
+    answer. Every check hands the learner private copies (checks.call), so whatever the learner's function writes
+    into its inputs moves no expected value; and writing into them fails."""
     from mhc_lab.course.checks import CheckFailed, run_check
 
     answer, zeroed = _steering(exercise)

@@ -18,13 +18,16 @@ channel (arguments in, plain data out: grading_channel), for every exercise of t
 
 against the learner's function found by the name the lab's check cell uses (``check("3.2", sinkhorn_mine)``).
 Scores (``grading_worker.exercise_score``): an exercise whose visible check fails scores 0; one whose visible
-check passes scores 0.5 plus 0.5 times the fraction of its hidden checks passed (1 with none). An answer that
-calls the exercise's own library function (``mhc_lab.reference.sinkhorn_paper`` for 3.2: watched for in the
-kernel while the learner's function runs) scores 0. A stub scores 0 with its "not done" message. A submission
-whose worker runs past ``timeout`` is reported *timed out*, a dead kernel *crashed*, a worker killed by a signal
-*killed*; those score zero. Code in the learner's own cells that reaches for the grader rather than the exercise
-(code_review) flags the submission for review. The result: a score table on stdout, ``report.json``
-(machine-readable) and ``report.csv``.
+check passes scores 0.5 plus 0.5 times the fraction of its hidden checks passed (1 with none). While an exercise
+is graded, the library functions that answer it are withheld in the kernel (``withheld``: every function and
+holder of their code swapped for code that raises), so an answer that reaches one scores 0, *uses the library*.
+A stub scores 0 with its "not done" message. A learner's function that ends its kernel costs its own exercise
+only (*crashed*; the notebook runs again in a fresh kernel for the others). A submission whose worker runs past
+``timeout`` is reported *timed out*, a kernel that dies while the notebook runs *crashed*, a worker killed by a
+signal *killed*; those score zero. Code in the learner's own cells that reaches for the grader rather than the
+exercise (code_review) flags the submission for review. The result: a score table on stdout, ``report.json``
+(machine-readable), ``report.csv`` and one feedback file per submission, which never repeats the hidden checks'
+code (report.SecretFilter).
 
 What the grader trusts. Every path is made absolute before anything runs. The hidden check files are read once,
 before the first submission runs, and their text goes to the worker only. The job travels to the worker over its
@@ -32,14 +35,15 @@ stdin, together with a random token made for that job; the worker keeps its real
 non-inherited descriptor, points the descriptors the kernel inherits at /dev/null and sends its progress and its
 result on that private descriptor, each line led by the token. The parent takes a result only from a worker
 that exited with 0 and only on a line that carries the token. The worker and the kernel run in an empty temporary
-folder of their own; the worker cannot be read or traced by the kernel (not dumpable). The executed notebook is
-written after every cell and when the worker is stopped, its stored outputs capped per cell and per notebook.
+folder of their own; the worker cannot be read or traced by a kernel of its user (not dumpable). Each kernel is
+boxed (sandbox): limits on address space, file size and open files; run as root, a user id of its own for each
+kernel, or no grading without ``allow_root`` (kernel_box). The executed notebook is written after every cell and
+when the worker is stopped, its stored outputs capped per cell and per notebook.
 
 What it does not guard against: copying between learners; code pasted from elsewhere (the library's source
-included); a notebook that replaces its own side of the grading channel to answer with another's values (it
-must name the grader to do so, which code_review flags). Grading runs the learner's code with your privileges:
-grade untrusted submissions in a container or as an unprivileged user who cannot read the hidden checks or write
-the course; the executed notebooks are kept next to the report for review.
+included, or read from disk at run time); a notebook that replaces its own side of the grading channel or the
+withholding (code_review flags it); files and command lines that the kernel's user may read (as an ordinary
+user, grader and kernels are one user). The executed notebooks are kept next to the report for review.
 """
 
 from __future__ import annotations

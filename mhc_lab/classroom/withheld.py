@@ -38,6 +38,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "3.3": ("mhc_lab.reference.sinkhorn.sinkhorn",),
     "3.4": ("mhc_lab.reference.sinkhorn.sinkhorn_paper", "mhc_lab.reference.sinkhorn.sinkhorn"),
     "3.6": ("mhc_lab.reference.hyper_connections.hc_apply",),
+    "6.3": ("mhc_lab.course.forward_lab.logits_norm_first",),
 }
 
 
