@@ -288,7 +288,7 @@ def test_hunting_for_the_hidden_checks_finds_nothing_and_they_stay(attacked, pri
     hunt = [c for c in nbformat.reads(text, as_version=4).cells if "work folder holds" in c.source]
     assert "work folder holds: []" in text and "FOUND: []" in text, [c.get("outputs") for c in hunt]
     assert sources_digest(read_hidden(private_hidden)) == attacked["digest"]
-    assert not attacked["report"]["warnings"]
+    assert not [w for w in attacked["report"]["warnings"] if "(--allow-root)" not in w]  # that one: run as root
     assert str(private_hidden) not in "".join(Path(r["executed"]).read_text() for r in attacked["rows"].values()
                                               if r.get("executed"))
 
