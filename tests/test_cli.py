@@ -125,7 +125,7 @@ def test_grade_reruns_a_submission_with_its_assigned_variant(tmp_path, capsys):
     submissions.mkdir(parents=True)
     nbformat.write(nb, submissions / "00_setup.ipynb")
     report_path = tmp_path / "report.json"
-    code = main(["grade", str(tmp_path / "submissions"), "--variants", str(handout / "variants.json"),
+    code = main(["grade", "--allow-root", str(tmp_path / "submissions"), "--variants", str(handout / "variants.json"),
                  "--out", str(tmp_path / "out"), "--json", str(report_path), "--timeout", "300"])
     assert code == 0
     out = capsys.readouterr().out
@@ -145,7 +145,7 @@ def test_grade_and_variants_take_relative_paths(tmp_path, monkeypatch):
     assert main(["variants", str(lab), "--roster", "roster.txt", "--out", "handout"]) == 0
     manifest = json.loads((tmp_path / "handout" / "variants.json").read_text())
     assert set(manifest["labs"]["00_setup.ipynb"]["students"]) == {"alice", "bob"}
-    assert main(["grade", "nowhere", "--out", "out"]) == 2  # named in the error, and nothing written
+    assert main(["grade", "--allow-root", "nowhere", "--out", "out"]) == 2  # named in the error, and nothing written
     assert not (tmp_path / "out").exists()
 
 

@@ -176,7 +176,7 @@ def graded(tmp_path_factory):
                   "cfg = setup(SIZE, DEVICE, SEED)\nimport os\nos._exit(1)")
     nbformat.write(crash, broken / "crash_00_setup.ipynb")
     out = tmp_path_factory.mktemp("grading")
-    report = grade_paths([folder], out_dir=out, timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
+    report = grade_paths([folder], allow_root=True, out_dir=out, timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
                          check_timeout=CHECK_TIMEOUT, jobs=2, log=None)
     by_path = {str(Path(r["submission"]).relative_to(folder)): r for r in report["submissions"]}
     return {"report": report, "rows": by_path, "out": out}
@@ -272,7 +272,7 @@ def test_cell_numbers_in_a_variant_handout_match_jupyterlab(tmp_path):
     nb = _edit(nb, 'check("0.2", gigabytes_per_second)', 'raise ValueError("here")\ncheck("0.2", gigabytes_per_second)')
     jupyterlab_number = next(i for i, c in enumerate(nb.cells, start=1) if 'raise ValueError("here")' in c.source)
     nbformat.write(nb, handout)
-    report = grade_paths([handout], out_dir=tmp_path / "out", timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
+    report = grade_paths([handout], allow_root=True, out_dir=tmp_path / "out", timeout=NOTEBOOK_TIMEOUT, cell_timeout=CELL_TIMEOUT,
                          check_timeout=CHECK_TIMEOUT, hidden_dir=None, log=None)
     errors = [e for e in report["submissions"][0]["cell_errors"] if e["ename"] == "ValueError"]
     assert [e["cell"] for e in errors] == [jupyterlab_number], report["submissions"][0]["cell_errors"]

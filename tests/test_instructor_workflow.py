@@ -131,11 +131,11 @@ def test_grade_that_cannot_do_its_job_says_why_and_exits_2(tmp_path, monkeypatch
         err = capsys.readouterr().err
         assert err.startswith("error: ") and said in err, (args, err)
         assert not out.exists(), f"{args}: nothing may run or be written"
-    assert "00_setup.ipynb: DEVICE, SEED, SIZE" in _cli("grade", LAB, "--param", "n=2", "--out", out,
+    assert "00_setup.ipynb: DEVICE, SEED, SIZE" in _cli("grade", "--allow-root", LAB, "--param", "n=2", "--out", out,
                                                          cwd=tmp_path).stderr
     out.mkdir()
     (out / "report.json").write_text("{not json")
-    result = _cli("grade", LAB, "--out", out, cwd=tmp_path)
+    result = _cli("grade", "--allow-root", LAB, "--out", out, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{out / 'report.json'}: expected the report.json of an earlier `mhc-lab grade` run" in result.stderr
     assert "--fresh" in result.stderr
@@ -151,7 +151,7 @@ def test_grade_exits_1_when_a_submission_could_not_be_graded_and_fresh_starts_ov
     (out / "report.json").write_text(json.dumps({"submissions": [
         {"submission": "/elsewhere/a.ipynb", "status": "graded", "lab": LAB, "score": 3, "max_score": 3,
          "exercises": [], "executed": str(out / "executed" / "stale.ipynb")}]}))
-    assert main(["grade", str(tmp_path / "notes.ipynb"), "--no-hidden", "--out", str(out), "--fresh"]) == 1
+    assert main(["grade", "--allow-root", str(tmp_path / "notes.ipynb"), "--no-hidden", "--out", str(out), "--fresh"]) == 1
     captured = capsys.readouterr()
     assert "not graded: 1 submission (exit status 1)" in captured.err and "unreadable" in captured.out
     report = json.loads((out / "report.json").read_text())
@@ -321,12 +321,12 @@ def classroom(tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(base)
     try:
-        first = main(["grade", "subs", "--variants", "handout/variants.json", "--hidden", "private_hidden",
+        first = main(["grade", "--allow-root", "subs", "--variants", "handout/variants.json", "--hidden", "private_hidden",
                       "--out", "out", "--jobs", "2", "--timeout", "300", "--cell-timeout", "60"])
         report = json.loads((base / "out" / "report.json").read_text())
         feedback = {path.name: path.read_text() for path in (base / "out" / "feedback").glob("*.md")}
         nbformat.write(_edit(nbformat.read(alice, as_version=4), WRONG, RIGHT), alice)
-        second = main(["grade", "subs/alice/00_setup.ipynb", "--variants", "handout/variants.json",
+        second = main(["grade", "--allow-root", "subs/alice/00_setup.ipynb", "--variants", "handout/variants.json",
                        "--no-hidden", "--out", "out", "--timeout", "300", "--cell-timeout", "60"])
     finally:
         os.chdir(cwd)

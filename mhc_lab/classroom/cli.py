@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     grade.add_argument("--max-output", type=int, default=2000, metavar="KB",
                        help="output stored per executed notebook, in thousands of characters")
     grade.add_argument("--jobs", type=int, default=1, help="submissions graded at the same time")
+    grade.add_argument("--memory-limit", type=float, default=8, metavar="GB",
+                       help="address space each notebook's kernel may map, in GiB (0: no limit; a GPU kernel "
+                            "maps far more than it uses: pass 0 with --param DEVICE=cuda)")
+    grade.add_argument("--allow-root", action="store_true",
+                       help="running as root where no unprivileged user can run this Python: let the notebooks "
+                            "run as root (a notebook can then forge its result and a classmate's)")
     grade.add_argument("--whole-notebook", action="store_true",
                        help="execute every cell (default: stop after the last exercise check cell)")
     grade.add_argument("--brief", action="store_true", help="the score table only, without the details")
@@ -192,6 +198,9 @@ def _grade(args) -> int:
         if not value > 0:
             print(f"error: {name}: expected a positive number, got {value:g}", file=sys.stderr)
             return 2
+    if args.memory_limit < 0:
+        print(f"error: --memory-limit: expected 0 (no limit) or more GiB, got {args.memory_limit:g}", file=sys.stderr)
+        return 2
     hidden = None if args.no_hidden else (args.hidden or HIDDEN_DIR)
     quiet = args.json == Path("-")
     try:
@@ -210,6 +219,7 @@ def _grade(args) -> int:
                              whole_notebook=args.whole_notebook, max_cell_output=args.max_cell_output * 1000,
                              max_output=args.max_output * 1000, roster=args.roster,
                              roster_header=_HEADER[args.roster_header], fresh=args.fresh,
+                             memory_limit=int(args.memory_limit * 2**30) or None, allow_root=args.allow_root,
                              log=None if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
     except (HiddenChecksError, GradingInputError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -29,6 +29,14 @@ PATTERNS = [
      "intercepts the kernel's messages"),
     (r"(?m)^\s*mhc_lab(\.\w+)+\s*=[^=]|\bsetattr\s*\(\s*mhc_lab\b|\bgetattr\s*\(\s*mhc_lab\b|\bmhc_lab\s*\.\s*__dict__",
      "replaces or looks up a library function by name"),
+    (r"\bresolve_name\b|\battrgetter\b|\bgetattr\s*\([^)\n]*(\+|\bf[\"']|\.join\b|%|\.format\b)|\b__dict__\s*\[|"
+     r"\bvars\s*\([^)\n]*\)\s*\[|\bglobals\s*\(\s*\)\s*\[",
+     "looks up a name built at run time"),
+    (r"\binspect\s*\.\s*(getsource\w*|getfile)|\b__file__\b|\bsys\s*\.\s*(path|meta_path|path_hooks)\b|"
+     r"site-packages|\.py[\"']",
+     "reads or redirects the library's source files"),
+    (r"\bgc\s*\.\s*\w+|\bwithheld\b", "reaches for the grader's withholding of library functions"),
+    (r"\btorch\s*\.\s*jit\s*\.\s*(trace|script)\b", "compiles a function ahead of grading (torch.jit)"),
 ]
 _COMPILED = [(re.compile(pattern), what) for pattern, what in PATTERNS]
 

@@ -18,13 +18,16 @@ channel (arguments in, plain data out: grading_channel), for every exercise of t
 
 against the learner's function found by the name the lab's check cell uses (``check("3.2", sinkhorn_mine)``).
 Scores (``grading_worker.exercise_score``): an exercise whose visible check fails scores 0; one whose visible
-check passes scores 0.5 plus 0.5 times the fraction of its hidden checks passed (1 with none). An answer that
-calls the exercise's own library function (``mhc_lab.reference.sinkhorn_paper`` for 3.2: watched for in the
-kernel while the learner's function runs) scores 0. A stub scores 0 with its "not done" message. A submission
-whose worker runs past ``timeout`` is reported *timed out*, a dead kernel *crashed*, a worker killed by a signal
-*killed*; those score zero. Code in the learner's own cells that reaches for the grader rather than the exercise
-(code_review) flags the submission for review. The result: a score table on stdout, ``report.json``
-(machine-readable) and ``report.csv``.
+check passes scores 0.5 plus 0.5 times the fraction of its hidden checks passed (1 with none). While an exercise
+is graded, the library functions that answer it are withheld in the kernel (``withheld``: every function and
+holder of their code swapped for code that raises), so an answer that reaches one scores 0, *uses the library*.
+A stub scores 0 with its "not done" message. A learner's function that ends its kernel costs its own exercise
+only (*crashed*; the notebook runs again in a fresh kernel for the others). A submission whose worker runs past
+``timeout`` is reported *timed out*, a kernel that dies while the notebook runs *crashed*, a worker killed by a
+signal *killed*; those score zero. Code in the learner's own cells that reaches for the grader rather than the
+exercise (code_review) flags the submission for review. The result: a score table on stdout, ``report.json``
+(machine-readable), ``report.csv`` and one feedback file per submission, which never repeats the hidden checks'
+code (report.SecretFilter).
 
 What the grader trusts. Every path is made absolute before anything runs. The hidden check files are read once,
 before the first submission runs, and their text goes to the worker only. The job travels to the worker over its
@@ -32,14 +35,15 @@ stdin, together with a random token made for that job; the worker keeps its real
 non-inherited descriptor, points the descriptors the kernel inherits at /dev/null and sends its progress and its
 result on that private descriptor, each line led by the token. The parent takes a result only from a worker
 that exited with 0 and only on a line that carries the token. The worker and the kernel run in an empty temporary
-folder of their own; the worker cannot be read or traced by the kernel (not dumpable). The executed notebook is
-written after every cell and when the worker is stopped, its stored outputs capped per cell and per notebook.
+folder of their own; the worker cannot be read or traced by a kernel of its user (not dumpable). Each kernel is
+boxed (sandbox): limits on address space, file size and open files; run as root, a user id of its own for each
+kernel, or no grading without ``allow_root`` (kernel_box). The executed notebook is written after every cell and
+when the worker is stopped, its stored outputs capped per cell and per notebook.
 
 What it does not guard against: copying between learners; code pasted from elsewhere (the library's source
-included); a notebook that replaces its own side of the grading channel to answer with another's values (it
-must name the grader to do so, which code_review flags). Grading runs the learner's code with your privileges:
-grade untrusted submissions in a container or as an unprivileged user who cannot read the hidden checks or write
-the course; the executed notebooks are kept next to the report for review.
+included, or read from disk at run time); a notebook that replaces its own side of the grading channel or the
+withholding (code_review flags it); files and command lines that the kernel's user may read (as an ordinary
+user, grader and kernels are one user). The executed notebooks are kept next to the report for review.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from mhc_lab.classroom.hidden_checks import (
 )
 
 from mhc_lab.classroom.report import format_report, write_csv  # noqa: F401  (format_report: the CLI's)
+from mhc_lab.classroom.sandbox import DEFAULT_MEMORY
 from mhc_lab.classroom.grading_worker import (
     DEFAULT_PARAMETERS,
     MAX_CELL_OUTPUT,
@@ -225,9 +230,12 @@ def _read_tail(stream, keep: list, limit: int = 8000) -> None:
 def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: float, check_timeout: float,
               parameters: dict, hidden: HiddenChecks | None, solutions_dir: Path = SOLUTIONS_DIR,
               whole_notebook: bool = False, executed_name: str | None = None,
-              max_cell_output: int = MAX_CELL_OUTPUT, max_output: int = MAX_OUTPUT, stop_grace: float = 10.0) -> dict:
+              max_cell_output: int = MAX_CELL_OUTPUT, max_output: int = MAX_OUTPUT, stop_grace: float = 10.0,
+              box: dict | None = None) -> dict:
     """Grade one submission in a worker process with a time budget; never raises (but for a folder of hidden
-    checks without checks for its lab). ``hidden=None``: the visible checks only."""
+    checks without checks for its lab). ``hidden=None``: the visible checks only. ``box``: how its kernels are
+    boxed ({"memory": bytes of address space or None, "drop": run them as a user of their own}; see
+    kernel_box)."""
     import nbformat
 
     submission, out_dir = _absolute(submission), _absolute(out_dir)
@@ -257,7 +265,8 @@ def grade_one(submission: Path, *, out_dir: Path, timeout: float, cell_timeout: 
     job = {"submission": str(submission), "exercises": [list(e) for e in exercises], "parameters": parameters,
            "hidden": sources, "generic": hidden is not None, "cell_timeout": cell_timeout,
            "check_timeout": check_timeout, "whole_notebook": whole_notebook, "executed": str(executed),
-           "max_cell_output": max_cell_output, "max_output": max_output}
+           "max_cell_output": max_cell_output, "max_output": max_output,
+           "sandbox": box or {"memory": DEFAULT_MEMORY, "drop": False}}
     # The worker and the kernel start in an empty folder of their own: nothing of the grader's beside or above.
     workdir = Path(tempfile.mkdtemp(prefix="mhc-grade-"))
     state: dict[str, Any] = {"progress": {}, "capped": [], "result": None}
@@ -354,6 +363,42 @@ def _remove_tree(path: Path) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+def kernel_box(memory: int | None, allow_root: bool) -> tuple[dict, str, list[str]]:
+    """How the kernels of this run are boxed, in words for the report, and warnings. Running as root, each kernel
+    runs as a user of its own (sandbox); when no unprivileged user can run this Python, grading refuses
+    (GradingInputError) unless ``allow_root``: then the kernels run as root, and a notebook can forge its
+    result or a classmate's."""
+    from mhc_lab.classroom import sandbox
+
+    box = {"memory": memory or None, "drop": False}
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return box, "the grader's own user", []
+    reason = sandbox.can_drop_to_another_user(worker_environment(Path("/")))
+    if reason is None:
+        return {**box, "drop": True}, "a user of their own each (the grader runs as root)", []
+    if not allow_root:
+        raise GradingInputError(
+            "running as root, the grader runs each notebook as a user of its own, and no unprivileged user can run "
+            f"{sys.executable} with the course ({reason}). Grade as an ordinary user, or install Python and the "
+            "course where every user may read them (a container's /usr/local or /opt); --allow-root grades with "
+            "the notebooks running as root, where one can forge its own result and a classmate's")
+    return box, "root (--allow-root)", [
+        "the notebooks ran as root (--allow-root): a notebook can read the grader's memory and forge its result "
+        f"or a classmate's; no unprivileged user can run {sys.executable} with the course ({reason})"]
+
+
+def readable_by_everyone(folder: Path) -> bool:
+    """Whether any user may list and read ``folder`` (it and every folder above it open to others)."""
+    import stat
+
+    try:
+        if not folder.stat().st_mode & stat.S_IROTH:
+            return False
+        return all(p.stat().st_mode & stat.S_IXOTH for p in [folder, *folder.parents])
+    except OSError:
+        return False
 
 
 class GradingInputError(ValueError):
@@ -499,7 +544,8 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
                 solutions_dir: Path = SOLUTIONS_DIR, whole_notebook: bool = False,
                 max_cell_output: int = MAX_CELL_OUTPUT, max_output: int = MAX_OUTPUT,
                 roster: Path | str | list[str] | None = None, roster_header: bool | None = None,
-                fresh: bool = False, log: Callable[[str], None] | None = print) -> dict:
+                fresh: bool = False, memory_limit: int | None = DEFAULT_MEMORY, allow_root: bool = False,
+                log: Callable[[str], None] | None = print) -> dict:
     """Grade every submission under ``paths``; write report.json, report.csv and one feedback file a submission
     (feedback/NAME.md) in ``out_dir``; return the report.
 
@@ -516,7 +562,11 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
     Merging: when ``out_dir`` already holds a class report, this run's rows replace the rows of the same
     submissions (by path) and the others are kept; ``runs`` in the report says what each run graded when, and
     each row has its ``graded_at``. ``fresh=True`` starts a new report (and drops the executed notebooks and
-    feedback files that it does not list)."""
+    feedback files that it does not list).
+
+    Each kernel is boxed (sandbox): at most ``memory_limit`` bytes of address space (None: no limit), limits on
+    file size and open files; running as root, a user of its own, or a GradingInputError unless ``allow_root``
+    (kernel_box)."""
     import nbformat
 
     from mhc_lab.classroom.notebook_build import notebook_parameters
@@ -563,6 +613,12 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
                     f"--param {name}: no lab being graded declares {name}; expected one of the parameters their "
                     "parameters cells declare: " + "; ".join(f"{lab}: {', '.join(sorted(names))}"
                                                              for lab, names in declared.items()))
+    box, kernels_run_as, box_warnings = kernel_box(memory_limit, allow_root)
+    if hidden is not None and box["drop"] and readable_by_everyone(hidden.folder):
+        box_warnings.append(f"the hidden checks folder {hidden.folder} can be read by every user, the notebooks' "
+                            f"users included: close it to others (chmod 700 {hidden.folder})")
+    if log and hidden is not None:
+        log(f"hidden checks: {hidden.folder}")
     previous = None if fresh else _previous_report(out_dir / "report.json")
     names = _stable_names(submissions, previous["submissions"] if previous else [])
     roots = _roots(paths, submissions)
@@ -594,7 +650,7 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
         row = grade_one(submission, out_dir=out_dir, timeout=timeout, cell_timeout=cell_timeout,
                         check_timeout=check_timeout, parameters=chosen, hidden=hidden,
                         solutions_dir=solutions_dir, whole_notebook=whole_notebook, executed_name=names[submission],
-                        max_cell_output=max_cell_output, max_output=max_output)
+                        max_cell_output=max_cell_output, max_output=max_output, box=box)
         if manifest is not None or roster_ids is not None:
             row["student"] = who["student"] if who else None
             if who and who["made_for"]:
@@ -609,7 +665,7 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         rows = list(pool.map(run, submissions))
-    warnings = []
+    warnings = list(box_warnings)
     if hidden is not None:
         changed = hidden.changed()
         if changed:
@@ -622,7 +678,8 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
                 "hidden_checks": str(hidden.folder) if hidden else None,
                 "hidden_checks_sha256": hidden.digest if hidden else None,
                 "variants": str(variants) if variants else None, "whole_notebook": whole_notebook,
-                "max_cell_output_chars": max_cell_output, "max_output_chars": max_output}
+                "max_cell_output_chars": max_cell_output, "max_output_chars": max_output,
+                "kernels_run_as": kernels_run_as, "kernel_memory_bytes": box["memory"]}
     run_record = {"graded_at": graded_at, "submissions": [r["submission"] for r in rows], "settings": settings,
                   "warnings": list(warnings)}
     merged, runs, merge_warnings = _merge(previous, rows, run_record)
@@ -637,7 +694,7 @@ def grade_paths(paths: list[Path | str], *, out_dir: Path | str = Path("build/gr
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     private = [p for p in (hidden.folder if hidden else None, hidden_dir, solutions_dir, out_dir, variants) if p]
-    write_feedback(report, private=private)
+    write_feedback(report, private=private, secrets=hidden.sources.values() if hidden else ())
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_csv(report, out_dir / "report.csv")
     if fresh:

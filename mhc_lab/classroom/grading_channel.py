@@ -21,6 +21,8 @@ import time
 from mhc_lab.classroom.grading_kernel import HANDLE, RESULT_MIME, Reference, tensors_in
 
 MAX_REQUEST = 64_000_000  # characters of one request's arguments
+MAX_LEARNER_TEXT = 500  # characters kept of an exception message from the learner's kernel
+MAX_NAME = 60  # characters kept of a type name from the learner's kernel
 
 
 class RemoteError(Exception):
@@ -46,6 +48,7 @@ _REMOTE_CLASSES: dict[tuple[str, bool], type] = {}
 
 
 def _error_class(name: str) -> type:
+    name = name[:MAX_NAME]
     if name not in _ERROR_CLASSES:
         clean = name if name.isidentifier() else "RemoteError"
         _ERROR_CLASSES[name] = type(clean, (RemoteError,), {"__module__": "learner"})
@@ -80,6 +83,7 @@ class RemoteFunction(Remote):
 
 
 def _remote_class(type_name: str, is_callable: bool) -> type:
+    type_name = type_name[:MAX_NAME]
     key = (type_name, is_callable)
     if key not in _REMOTE_CLASSES:
         clean = type_name if type_name.isidentifier() else "object"
@@ -113,6 +117,8 @@ class KernelSession:
         self.client, self.cell_index, self.caps = client, cell_index, caps
         self.library: tuple[str, ...] = ()  # the current exercise's own library functions, watched for
         self.library_seen: set[str] = set()
+        self.exercise = ""  # the exercise being graded, and the library functions withheld meanwhile
+        self.withheld: tuple[str, ...] = ()
         self.deadline: float | None = None
         self.requests = 0
 
@@ -140,7 +146,7 @@ class KernelSession:
 
         kwargs = kwargs or {}
         message = {"kind": kind, "target": target, "function": function, "args": _outbound(tuple(args)), "kwargs": _outbound(dict(kwargs)),
-                   "library": tuple(self.library)}
+                   "library": tuple(self.library), "withheld": tuple(self.withheld), "exercise": self.exercise}
         try:
             text = base64.b64encode(pickle.dumps(message, protocol=4)).decode()
         except Exception as error:
@@ -187,6 +193,9 @@ class KernelSession:
         if not isinstance(answer, dict):
             raise _error_class("NotData")("the learner's kernel answered with something else than an answer")
         if "error" in answer:
+            if answer["error"].get("type") == "Withheld":  # the learner's function reached a withheld answer
+                text = str(answer["error"].get("message", ""))
+                self.library_seen.update([n for n in self.withheld if f"{n} is withheld" in text] or self.withheld)
             raise self._exception(answer["error"])
         self.library_seen.update(str(name) for name in answer.get("library", ()))
         mine = tensors_in((args, kwargs))
@@ -202,7 +211,8 @@ class KernelSession:
     def _exception(self, error: dict) -> BaseException:
         from mhc_lab.course.checks import CheckFailed
 
-        name, text = str(error.get("type", "Exception")), str(error.get("message", ""))
+        # The learner's text: cut short here, so that no long text of theirs reaches a verdict's message.
+        name, text = str(error.get("type", "Exception"))[:MAX_NAME], str(error.get("message", ""))[:MAX_LEARNER_TEXT]
         if error.get("interrupted"):
             return CheckTimeout("timed out (an endless loop?)")
         if error.get("check_failed"):

@@ -115,21 +115,23 @@ def _call(request: dict, namespace: dict):
     """What a request asks for: ``describe`` a name (its value if it is data, else a handle), ``call`` a
     function, or ``apply`` a library function (compiling a tile program, gradients through a call) to
     arguments; the exercise's own library functions are watched for while it runs."""
+    from mhc_lab.classroom.withheld import withholding
     from mhc_lab.course.checks import library_calls, resolve
 
     raw = request.get("args", ()), request.get("kwargs", {})
     args, kwargs = _resolve_all(raw[0], namespace), _resolve_all(raw[1], namespace)
     watch = library_calls(request.get("library", ()))
+    withheld = withholding(request.get("withheld", ()), request.get("exercise", ""))
     kind = request["kind"]
     if kind == "describe":
         value = request["target"].resolve(namespace)
     elif kind == "call":
         target = request["target"].resolve(namespace)
-        with watch.watching():
+        with withheld, watch.watching():
             value = target(*args, **kwargs)
     elif kind == "apply":
         function = resolve(request["function"])
-        with watch.watching():
+        with withheld, watch.watching():
             value = function(*args, **kwargs)
     else:
         raise ValueError(f"unknown request kind {kind!r}")

@@ -16,8 +16,10 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -28,6 +30,7 @@ from mhc_lab.classroom.notebook_build import (
     CHECK_CALL,
     notebook_parameters,
 )
+from mhc_lab.classroom import sandbox
 from mhc_lab.classroom.grading_channel import CheckTimeout, GraderError, KernelDied, KernelSession, is_remote
 from mhc_lab.classroom.hidden_checks import (
     HIDDEN_DIR,
@@ -77,9 +80,9 @@ def _attempt(fn: Callable[[], object], seconds: float | None, limit=None) -> tup
             result = fn()
     except CheckTimeout as error:
         return False, str(error)
-    except (KeyboardInterrupt, KernelDied, GraderError):
+    except (KernelDied, GraderError):
         raise
-    except BaseException as error:  # the learner's code may raise anything, SystemExit included
+    except BaseException as error:  # anything else fails this check only: SystemExit, KeyboardInterrupt included
         return False, _message(error)
     return True, (f"passed {len(result)} cases" if isinstance(result, (list, tuple)) else "passed")
 
@@ -110,7 +113,10 @@ def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None
     limit = session.time_limit if session is not None else _time_limit
     watch = library_calls([exercise.library])
     if session is not None:
+        from mhc_lab.classroom.withheld import withheld_names
+
         session.library, session.library_seen = (exercise.library,), set()
+        session.exercise, session.withheld = exercise.id, withheld_names(exercise.id, exercise.library)
     elif callable(answer) and not is_remote(answer):
         answer = watch.wrap(answer)
     learner, learner_calls = recorder(answer) if callable(answer) else (answer, None)
@@ -129,7 +135,7 @@ def grade_answer(exercise_id: str, answer: Any, *, hidden_dir: Path | str | None
         return result
     except CheckTimeout as error:
         visible = {"name": "visible check", "kind": "visible", "passed": False, "message": str(error)}
-    except (KeyboardInterrupt, KernelDied, GraderError):
+    except (KernelDied, GraderError):
         raise
     except BaseException as error:
         if isinstance(error, NotImplementedError) and str(error).startswith("Exercise"):
@@ -423,7 +429,7 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
         send("progress", {"kernel_pid": pid, "cell": None})
 
     def on_execute(cell, cell_index, **_):
-        if cell_index == grading_index:
+        if cell_index == grading_index or state.get("replaying"):
             return
         started[cell_index] = time.monotonic()
         state.update(cell=ordinal.get(cell_index), source=_first_line(cell.source), grading=False)
@@ -431,13 +437,43 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
         snapshot()  # the notebook as far as it got, should the worker die in this cell
 
     def on_executed(cell, cell_index, **_):
-        if cell_index == grading_index:
+        if cell_index == grading_index or state.get("replaying"):
             return
         durations[cell_index] = time.monotonic() - started.get(cell_index, time.monotonic())
         caps.finish(cell, cell_index)
 
+    # Every kernel starts boxed (sandbox): resource limits, and as a user of its own when the grader is root.
+    box = job.get("sandbox") or {}
+    kernels = Path(tempfile.mkdtemp(prefix="mhc-kernels-"))
+    os.environ.update(JUPYTER_PATH=str(kernels), JUPYTER_RUNTIME_DIR=str(kernels / "runtime"),
+                      JUPYTER_DATA_DIR=str(kernels / "data"))
+    (kernels / "runtime").mkdir()
+    uids: list[int] = []
+    if box.get("drop"):
+        for folder in (kernels, kernels / "runtime", Path(os.getcwd())):
+            os.chmod(folder, 0o711)  # the kernel's user may pass through, not list
+
+    def box_next_kernel():
+        uid = sandbox.kernel_uid() if box.get("drop") else None
+        if uid is not None:
+            uids.append(uid)
+        sandbox.write_kernel_spec(kernels, memory=box.get("memory"), uid=uid)
+
+    def record_withheld():
+        """Before any of the notebook's code: the kernel records the code of the library's answers to this lab's
+        exercises, to withhold each while its exercise is graded (withheld)."""
+        from mhc_lab.classroom.withheld import withheld_names
+        from mhc_lab.course.checks import get_exercise
+
+        names = sorted({n for i, _ in job["exercises"] for n in withheld_names(i, get_exercise(i).library)})
+        source = f"__import__('mhc_lab.classroom.withheld', fromlist=['record']).record({names!r})"
+        client.execute_cell(nbformat.v4.new_code_cell(source), grading_index, store_history=False)
+        caps.cleared([], grading_index)
+
+    box_next_kernel()
     client = _capped_client_class()(
-        nb, timeout=job["cell_timeout"], interrupt_on_timeout=True, allow_errors=True, kernel_name="python3",
+        nb, timeout=job["cell_timeout"], interrupt_on_timeout=True, allow_errors=True,
+        kernel_name=sandbox.KERNEL_NAME,
         record_timing=True, resources={"metadata": {"path": os.getcwd()}}, on_notebook_start=on_start,
         on_cell_execute=on_execute, on_cell_executed=on_executed,
     )
@@ -446,14 +482,39 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
     graded: list[dict] | None = None
     try:
         client.reset_execution_trackers()
+        nb.cells.append(nbformat.v4.new_code_cell(""))  # the slot the grader's own cells run in (never stored)
         with client.setup_kernel():
-            for index, cell in enumerate(nb.cells):
+            record_withheld()
+            for index, cell in enumerate(nb.cells[:grading_index]):
                 client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
             state.update(cell=None, source="", grading=True)
             send("progress", state)
             snapshot()
-            nb.cells.append(nbformat.v4.new_code_cell(""))  # the slot the channel's requests run in
-            graded = _grade_in_worker(KernelSession(client, grading_index, caps), {**job, "variant": variant})
+            graded = []
+            try:
+                _grade_in_worker(KernelSession(client, grading_index, caps), {**job, "variant": variant}, graded)
+            except KernelDied:
+                pass  # graded again below, in a fresh kernel, from the exercise after the one that killed it
+        # A learner's function that ends its kernel (exit, os._exit, a crash) costs its own exercise only: the
+        # notebook runs again in a fresh kernel (its outputs not stored) and grading goes on with the next one.
+        while len(graded) < len(job["exercises"]):
+            box_next_kernel()
+            state.update(replaying=True)
+            replay_caps = OutputCaps(job["max_cell_output"], job["max_output"], exempt={grading_index})
+            client.caps = replay_caps
+            with client.setup_kernel():
+                send("progress", {"kernel_pid": getattr(getattr(client.km, "provisioner", None), "pid", None)})
+                record_withheld()
+                for index, cell in enumerate(nb.cells[:grading_index]):
+                    client.execute_cell(nbformat.from_dict(json.loads(json.dumps(cell))), index,
+                                        execution_count=client.code_cells_executed + 1)
+                client.caps = caps
+                state.update(replaying=False)
+                try:
+                    _grade_in_worker(KernelSession(client, grading_index, caps), {**job, "variant": variant},
+                                     graded)
+                except KernelDied:
+                    continue
     except (KernelDied, Exception) as error:
         if type(error).__name__ in ("DeadKernelError", "KernelDied"):
             what = ("while grading" if state.get("grading") else
@@ -461,6 +522,9 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
             result.update(status="crashed", detail=f"the kernel died {what}")
         else:
             result.update(status="crashed", detail=f"{type(error).__name__}: {error}")
+    for uid in uids:
+        sandbox.end_processes_of(uid)
+    shutil.rmtree(kernels, ignore_errors=True)
     snapshot()
     errors = []
     for index, cell in enumerate(nb.cells[:grading_index]):
@@ -487,36 +551,53 @@ def _worker(job: dict, send: Callable[[str, dict], None]) -> dict:
     return result
 
 
-def _grade_in_worker(session: KernelSession, job: dict) -> list[dict]:
-    """Each exercise of the job graded here, its answer the learner's function called across ``session``."""
+def _grade_in_worker(session: KernelSession, job: dict, results: list[dict]) -> list[dict]:
+    """Each exercise of the job not yet in ``results`` graded here, its answer the learner's function called
+    across ``session``, its result appended to ``results``. When the kernel dies while an exercise is graded,
+    that exercise is recorded as crashed and KernelDied is raised (the caller starts a fresh kernel)."""
     from mhc_lab.course.checks import get_exercise, set_variant
 
     set_variant(**job["variant"])  # what the notebook's setup() records, read from its parameters here
     registry = registry_from_sources(job["hidden"]) if job.get("hidden") else {}
-    results = []
+    done = {r["id"] for r in results}
     for exercise_id, name in job["exercises"]:
+        if exercise_id in done:
+            continue
         exercise = get_exercise(exercise_id)
         answer = missing = None
         try:
             with session.time_limit(job["check_timeout"]):
                 answer = session.answer(name)
-        except CheckTimeout:
-            missing = f"reading `{name}` from the notebook timed out"
-        except Exception as error:
-            missing = (f"no `{name}` defined in the notebook (the lab's check cell uses that name)"
-                       if type(error).__name__ == "NameError" else f"`{name}` could not be read: {_message(error)}")
+            result = grade_answer(exercise_id, answer, hidden_checks=registry, check_timeout=job["check_timeout"],
+                                  generic=bool(job["generic"]), session=session)
+        except KernelDied:
+            results.append({"id": exercise_id, "title": exercise.title, "status": "crashed", "score": 0.0,
+                            "checks": [], "function": name,
+                            "message": f"the kernel died while `{name}` was being checked (an exit, os._exit, a "
+                                       "crash or a memory limit in your function): this exercise scores 0, the "
+                                       "others were graded in a fresh kernel"})
+            raise
+        except CheckTimeout as error:
+            if answer is None:
+                missing = f"reading `{name}` from the notebook timed out"
+            else:
+                result = {"id": exercise_id, "title": exercise.title, "status": "timed out", "score": 0.0,
+                          "checks": [], "message": str(error)}
+        except (Exception, GraderError) as error:
+            if answer is None:
+                missing = (f"no `{name}` defined in the notebook (the lab's check cell uses that name)"
+                           if type(error).__name__ == "NameError" else
+                           f"`{name}` could not be read: {_message(error)}")
+            else:  # a grader bug must not lose the other exercises
+                result = {"id": exercise_id, "title": exercise.title, "status": "error", "score": 0.0, "checks": [],
+                          "message": f"grader error: {type(error).__name__}: {error}"}
+        except BaseException as error:  # an exit or an interrupt raised in a check: this exercise only
+            result = {"id": exercise_id, "title": exercise.title, "status": "error", "score": 0.0, "checks": [],
+                      "message": f"the check stopped with {type(error).__name__}: this exercise scores 0"}
         if missing is not None:
             results.append({"id": exercise_id, "title": exercise.title, "status": "missing", "score": 0.0,
                             "message": missing, "checks": [], "function": name})
             continue
-        try:
-            result = grade_answer(exercise_id, answer, hidden_checks=registry, check_timeout=job["check_timeout"],
-                                  generic=bool(job["generic"]), session=session)
-        except KernelDied:
-            raise
-        except (Exception, GraderError) as error:  # a grader bug must not lose the other exercises
-            result = {"id": exercise_id, "title": exercise.title, "status": "error", "score": 0.0, "checks": [],
-                      "message": f"grader error: {type(error).__name__}: {error}"}
         result["function"] = name
         result["message"] = _short(result.get("message", ""))
         for check in result.get("checks", []):

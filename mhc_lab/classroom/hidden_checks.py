@@ -269,11 +269,19 @@ def _compare_gradients(answer, solution, calls, case_names) -> None:
                                   f"reference's (largest difference {worst:.3g})")
 
 
+def fresh_draw_for_variant(seed: int) -> int:
+    """Which fresh draw of the visible check's inputs a variant's grading uses (checks.fresh_inputs): one of its
+    own for each variant (the notebook's SEED), so that two learners' graded answers are computed on other
+    inputs; 1 for SEED 0."""
+    return 1 + int(seed) % 104_729
+
+
 def generic_checks(exercise, answer, learner_calls: list | None) -> list[HiddenCheck]:
     """The generic hidden checks that apply to this exercise (those the reference solution itself passes)."""
-    from mhc_lab.course.checks import fresh_inputs
+    from mhc_lab.course.checks import fresh_inputs, variant_seed
 
     solution = exercise.library_function()
+    fresh_draw = fresh_draw_for_variant(variant_seed())
     if not (callable(answer) and callable(solution)):
         return []
     found = []
@@ -282,14 +290,14 @@ def generic_checks(exercise, answer, learner_calls: list | None) -> list[HiddenC
     fresh_wrapped, fresh_calls = recorder(solution)
     try:
         exercise.checker(wrapped)
-        with fresh_inputs(1):
+        with fresh_inputs(fresh_draw):
             exercise.checker(fresh_wrapped)
         fresh_ok = not _same(visible_calls, fresh_calls)
     except Exception:
         fresh_ok = False
     if fresh_ok:
         def fresh(answer):
-            with fresh_inputs(1):
+            with fresh_inputs(fresh_draw):
                 return exercise.checker(answer)
 
         found.append(HiddenCheck(exercise.id, "visible check on fresh random inputs", fresh))

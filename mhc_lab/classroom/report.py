@@ -151,6 +151,52 @@ def _clean(text, folders: list[str]) -> str:
     return text.replace("<<mhc-lab-grade>>", "")
 
 
+SHINGLE = 24  # characters of code (whitespace left out) that a feedback message may not share with a secret
+REDACTED = "[left out: this text repeats the grader's hidden checks]"
+
+
+class SecretFilter:
+    """Tells whether a text repeats code of the hidden checks: any run of ``SHINGLE`` characters of their code
+    (whitespace, comments and string literals left out: those are the checks' names and messages, which the
+    feedback shows on purpose) found in the text, whitespace left out too."""
+
+    def __init__(self, sources=()):
+        self.shingles: set[str] = set()
+        for source in sources:
+            for piece in _code_pieces(str(source)):
+                self.shingles.update(piece[i:i + SHINGLE] for i in range(len(piece) - SHINGLE + 1))
+
+    def leaks(self, text) -> bool:
+        if not self.shingles:
+            return False
+        flat = re.sub(r"\s+", "", str(text or ""))
+        return any(flat[i:i + SHINGLE] in self.shingles for i in range(len(flat) - SHINGLE + 1))
+
+
+def _code_pieces(source: str) -> list[str]:
+    """The runs of code of a Python source between its string literals and comments, whitespace removed."""
+    import io
+    import tokenize
+
+    pieces, current = [], []
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return [re.sub(r"\s+", "", source)]
+    for token in tokens:
+        if token.type in (tokenize.STRING, tokenize.COMMENT):
+            pieces.append("".join(current))
+            current = []
+        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                tokenize.ENDMARKER):
+            current.append(token.string)
+    pieces.append("".join(current))
+    return [p for p in pieces if len(p) >= SHINGLE]
+
+
+MAX_LEARNER_TEXT = 600  # characters of one message shown in feedback (a learner's exception text included)
+
+
 def _not_graded(row: dict) -> str:
     """Why a submission was not graded, in words meant for its author (no log of the grader's)."""
     status, detail = row.get("status"), str(row.get("detail") or "")
@@ -160,12 +206,19 @@ def _not_graded(row: dict) -> str:
     return f"Not graded ({status}): {detail}"
 
 
-def feedback_text(row: dict, private=()) -> str:
+def feedback_text(row: dict, private=(), secrets=(), visible_only: bool = False) -> str:
     """One submission's feedback, in Markdown: the lab, the total, then every exercise with its score, status and
     each check (passed or failed, with its message), then the cells that raised. Paths of the grader's machine
-    (``private`` folders, the course, the Python installation, home) are left out."""
+    (``private`` folders, the course, the Python installation, home) are left out; each message is cut to
+    MAX_LEARNER_TEXT characters, and one that repeats code of the hidden checks (``secrets``: their sources, or a
+    SecretFilter) is replaced by a note (a notebook that read them and raised their text gets nothing back)."""
     folders = _private_folders(private)
-    clean = lambda text: _clean(text, folders)  # noqa: E731
+    secret = secrets if isinstance(secrets, SecretFilter) else SecretFilter(secrets)
+
+    def clean(text):
+        text = _middle(_clean(text, folders), MAX_LEARNER_TEXT)
+        return REDACTED if secret.leaks(text) else text
+
     lines = [f"# Feedback: {row.get('lab') or 'unknown lab'}", ""]
     if row.get("student"):
         lines.append(f"- student: {row['student']}")
@@ -175,6 +228,8 @@ def feedback_text(row: dict, private=()) -> str:
     if row.get("variant"):
         lines.append(f"- variant: {', '.join(f'{k}={v}' for k, v in row['variant'].items())}")
     lines.append(f"- total: **{row.get('score', 0):g} / {row.get('max_score', 0)}**")
+    if visible_only:
+        lines.append("- checks: the visible checks only (your notebook's own); the hidden checks were not run")
     lines.append("")
     if row.get("status") != "graded":
         lines += [clean(_not_graded(row)), "", "Every exercise scores 0.", ""]
@@ -204,14 +259,18 @@ def feedback_text(row: dict, private=()) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_feedback(report: dict, private=()) -> list[Path]:
-    """Write each row's feedback file (the path in its ``feedback`` key); returns the paths written."""
+def write_feedback(report: dict, private=(), secrets=()) -> list[Path]:
+    """Write each row's feedback file (the path in its ``feedback`` key); returns the paths written. ``secrets``:
+    the hidden checks' sources, which no feedback repeats (see feedback_text)."""
+    secrets = secrets if isinstance(secrets, SecretFilter) else SecretFilter(secrets)
     written = []
     for row in report["submissions"]:
         if not row.get("feedback"):
             continue
         path = Path(row["feedback"])
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(feedback_text(row, private))
+        visible_only = str(row.get("checks") or (report.get("settings") or {}).get("checks", "")).startswith(
+            "visible only")
+        path.write_text(feedback_text(row, private, secrets, visible_only))
         written.append(path)
     return written

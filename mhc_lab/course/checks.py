@@ -290,17 +290,104 @@ def hint(id: str, level: int = 1) -> None:
 
 
 def call(answer: Callable, *args, case: str, **kwargs):
-    """Call the learner's function; an exception becomes a CheckFailed that names the case."""
+    """Call the learner's function on private copies of the arguments; an exception becomes a CheckFailed that
+    names the case.
+
+    The learner's function never holds the checker's own tensors (nor the objects holding them: a layer, a
+    model), so a checker may compute its expected value from them before or after the call alike: a function
+    that writes into its inputs cannot move the expected value with it. A function that changes one of its
+    inputs in place fails, whatever it returns: it writes over its caller's tensor."""
     if not callable(answer):
         raise CheckFailed(f"expected a function, got {type(answer).__name__}")
+    mine, theirs = (args, kwargs), private_copy((args, kwargs))
     try:
-        return answer(*args, **kwargs)
+        got = answer(*theirs[0], **theirs[1])
     except NotImplementedError:
         raise
     except CheckFailed:
         raise
     except Exception as error:  # the learner's code failed: say where, keep their traceback
         raise CheckFailed(f"on {case} your function raised {type(error).__name__}: {error}") from error
+    changed = changed_inputs(mine, theirs)
+    if changed:
+        raise CheckFailed(
+            f"on {case} your function changed its input {', '.join(changed[:3])} in place, which writes over the caller's "
+            "tensor. Work on a copy, or with out-of-place operations (h = h + f(h), not h += f(h) or h.add_(...)).")
+    return got
+
+
+def _is_remote(value) -> bool:
+    return getattr(type(value), "_mhc_lab_remote", False)
+
+
+def private_copy(value, _depth: int = 0):
+    """A copy of ``value`` that shares no tensor with it: tensors cloned (a leaf keeps requires_grad), lists,
+    tuples and dicts copied item by item, other objects (a layer, a model) deep-copied where they can be; a
+    function, a module, or an object of the learner's kernel stays itself."""
+    import copy
+    import types
+
+    if isinstance(value, torch.Tensor):
+        twin = value.detach().clone()
+        return twin.requires_grad_(True) if value.requires_grad and twin.is_floating_point() else twin
+    if _depth > 16 or value is None or _is_remote(value) or isinstance(
+            value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device, type, types.ModuleType,
+                    types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return value
+    if isinstance(value, tuple):
+        items = [private_copy(v, _depth + 1) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [private_copy(v, _depth + 1) for v in value]
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: private_copy(v, _depth + 1) for k, v in value.items()}
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return value
+
+
+def _tensors_within(value, where: str, found: list, depth: int = 0) -> None:
+    """(where, tensor) for every tensor in ``value``: in lists, tuples, dicts and the attributes of objects."""
+    if isinstance(value, torch.Tensor):
+        found.append((where, value))
+        return
+    if depth > 8 or value is None or _is_remote(value) or isinstance(value, (bool, int, float, str, bytes)):
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _tensors_within(item, f"{where}[{index}]", found, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _tensors_within(item, f"{where}[{key!r}]", found, depth + 1)
+    elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type):
+        for key, item in vars(value).items():
+            _tensors_within(item, f"{where}.{key}", found, depth + 1)
+
+
+def changed_inputs(mine, theirs) -> list[str]:
+    """Where the tensors of ``theirs`` (a private_copy of ``mine``, ``(args, kwargs)``) no longer equal those of
+    ``mine``, named as a learner reads them ("argument 1", "x", "argument 2.weight")."""
+    def named(call_args):
+        found: list = []
+        for index, item in enumerate(call_args[0]):
+            _tensors_within(item, f"argument {index + 1}", found)
+        for key, item in call_args[1].items():
+            _tensors_within(item, f"`{key}`", found)
+        return found
+
+    before, after = named(mine), named(theirs)
+    if len(before) != len(after):
+        return ["(its structure)"]
+    changed = []
+    for (where, a), (_, b) in zip(before, after):
+        with torch.no_grad():
+            same = (a.shape == b.shape and a.dtype == b.dtype
+                    and (torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())
+                         if a.is_floating_point() or a.is_complex() else torch.equal(a, b)))
+        if not same:
+            changed.append(where)
+    return changed
 
 
 def _index_str(flat_index: int, shape) -> str:

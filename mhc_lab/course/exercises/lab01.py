@@ -249,8 +249,9 @@ def _check_backward(answer):
         weight = randn(width, width, seed=510 + k, scale=1.5 / width**0.5)
         bias = randn(width, seed=520 + k, scale=0.5)
         grad_out = randn(batch, width, seed=530 + k)
+        expected = _autograd_backward(x, weight, bias, grad_out)  # before the learner's function runs
         got = call(answer, x, weight, bias, grad_out, case=case)
-        assert_close(got, _autograd_backward(x, weight, bias, grad_out), case=case, name="∂E/∂x", mistakes={
+        assert_close(got, expected, case=case, name="∂E/∂x", mistakes={
             "the identity's 1 is missing: y = x + F(x) passes ∂E/∂y straight back to x, on top of the branch.":
                 _branch_only_backward(x, weight, bias, grad_out),
             "the tanh derivative 1 - tanh(z)² is missing; the gradient passes through tanh on its way back.":

@@ -340,10 +340,12 @@ def _check_logits(answer):
         x = randn(*lead, n, C, seed=600 + k) * torch.exp(randn(*lead, 1, 1, seed=700 + k)) * 3.0
         phi = randn(m, n * C, seed=800 + k) / (n * C) ** 0.5
         bias, alpha = randn(m, seed=900 + k) * 0.5, randn(3, seed=950 + k).abs() + 0.5
-        got = call(answer, x, phi, bias, alpha, case=case)
+        # the expected values come from the other order: the norm first, as the reference computes it (Eq. 7);
+        # they and the mistakes are computed before the learner's function runs
+        expected = logits_norm_first(x, phi, bias, alpha)
         mistakes = {text: _logits_kind(kind)(x, phi, bias, alpha) for kind, text in _LOGIT_MISTAKES.items()}
-        # the expected values come from the other order: the norm first, as the reference computes it (Eq. 7)
-        assert_close(got, logits_norm_first(x, phi, bias, alpha), case=case, name="logits", mistakes=mistakes)
+        got = call(answer, x, phi, bias, alpha, case=case)
+        assert_close(got, expected, case=case, name="logits", mistakes=mistakes)
         cases.append(case)
     return cases
 
