@@ -269,3 +269,11 @@ def test_setup_installs_the_lab_renderer():
         torch.set_num_threads(threads)
     assert pio.renderers.default == lab_display.RENDERER
     assert "PNG" in course_setup.setup.__doc__
+
+
+def test_grading_workers_draw_no_static_pictures(tmp_path):
+    """Graded notebooks' pictures are never looked at: the workers (and the kernels they start) switch them off."""
+    from mhc_lab.classroom.grading import worker_environment
+    from mhc_lab.course.display import SWITCH
+
+    assert worker_environment(tmp_path)[SWITCH] == "off"

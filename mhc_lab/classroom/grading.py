@@ -160,9 +160,10 @@ ENVIRONMENT_PREFIXES = ("LC_", "TILELANG_", "TVM_", "NVIDIA_", "XDG_")
 
 
 def worker_environment(workdir: Path) -> dict[str, str]:
-    """The environment a grading worker starts with (see ENVIRONMENT_KEPT); PWD is its empty work folder."""
+    """The environment a grading worker starts with (see ENVIRONMENT_KEPT); PWD is its empty work folder. Figures
+    get no static picture while grading (nobody looks at them, and starting a browser costs seconds a notebook)."""
     kept = {k: v for k, v in os.environ.items() if k in ENVIRONMENT_KEPT or k.startswith(ENVIRONMENT_PREFIXES)}
-    return {**kept, "PWD": str(workdir)}
+    return {**kept, "PWD": str(workdir), "MHC_LAB_STATIC_FIGURES": "off"}
 
 
 class HiddenChecks:
