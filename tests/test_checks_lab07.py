@@ -76,7 +76,7 @@ def test_a_nearly_right_answer_is_not_told_it_dropped_the_eps(id):
         return RIGHT[id](*args) * (1 + 3e-7)
 
     message = _message(id, nearly)
-    assert "differs" in message and "usual mistake" not in message, message
+    assert "is close, but not within the tolerance" in message and "usual mistake" not in message, message
 
 
 def test_the_rms_taken_for_its_inverse_is_named():

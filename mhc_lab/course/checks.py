@@ -311,8 +311,9 @@ def call(answer: Callable, *args, case: str, **kwargs):
     changed = changed_inputs(mine, theirs)
     if changed:
         raise CheckFailed(
-            f"on {case} your function changed its input {', '.join(changed[:3])} in place, which writes over the caller's "
-            "tensor. Work on a copy, or with out-of-place operations (h = h + f(h), not h += f(h) or h.add_(...)).")
+            f"on {case} your function changed its input {', '.join(changed[:3])} in place. This looks like the usual "
+            "mistake: an in-place operation (h += f(h), h.add_(...)) writes over the caller's tensor, and in a stack "
+            "every state ends up being the same tensor. Work on a copy, or write h = h + f(h), which makes a new one.")
     return got
 
 
