@@ -32,6 +32,29 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
+@pytest.fixture(autouse=True)
+def headless(monkeypatch):
+    """As a headless run sets it (mhc_lab.classroom.runner.pictures_on); a test may turn it off again."""
+    monkeypatch.setenv(lab_display.SWITCH, "on")
+
+
+def test_interactive_sessions_draw_no_picture_unless_asked(monkeypatch):
+    """JupyterLab's own session (the switch unset) gets the interactive figure and the one line, no browser: a
+    bundled PNG can keep JupyterLab's plotly renderer from drawing the figure (tests/test_browser.py)."""
+    monkeypatch.delenv(lab_display.SWITCH)
+    bundle = lab_display.LabRenderer().to_mimebundle(_figure().to_dict())
+    assert "image/png" not in bundle and "executed headless" in bundle["text/plain"]
+
+
+def test_headless_runs_ask_for_pictures():
+    from mhc_lab.classroom.runner import pictures_on
+
+    os.environ.pop(lab_display.SWITCH)
+    with pictures_on():
+        assert os.environ[lab_display.SWITCH] == "on"
+    assert lab_display.SWITCH not in os.environ
+
+
 def _figure(title="a figure"):
     import plotly.graph_objects as go
 
@@ -45,9 +68,12 @@ def _png_size(png: bytes) -> tuple[int, int]:
 
 
 def _require_static_pictures():
-    pictures = lab_display.StaticPictures()
-    png, reason = pictures.png(_figure().to_dict())
-    pictures.close()
+    from mhc_lab.classroom.runner import pictures_on
+
+    with pictures_on():
+        pictures = lab_display.StaticPictures()
+        png, reason = pictures.png(_figure().to_dict())
+        pictures.close()
     if png is None:
         message = f"static figures need kaleido and a Chrome or Chromium: {reason}; `make browser` installs Chromium"
         if os.environ.get("MHC_LAB_BROWSER_TEST") == "required":
@@ -205,7 +231,7 @@ def test_the_switch_turns_pictures_off_without_starting_a_browser(monkeypatch):
     monkeypatch.setattr("asyncio.new_event_loop", lambda: pytest.fail("a browser's loop was started"))
     bundle = lab_display.LabRenderer().to_mimebundle(_figure("graded").to_dict())
     assert set(bundle) == {PLOTLY, "text/plain"}
-    assert f"turned off by {lab_display.SWITCH}=off" in bundle["text/plain"]
+    assert "executed headless" in bundle["text/plain"]
 
 
 def test_a_render_past_its_time_gives_the_line_not_a_hang(monkeypatch):

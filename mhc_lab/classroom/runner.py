@@ -3,6 +3,9 @@ outputs of the solution notebooks (in place, for nbval)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import json
 import re
 import time
@@ -33,6 +36,21 @@ def _errors(nb) -> list[dict]:
     return found
 
 
+@contextlib.contextmanager
+def pictures_on():
+    """Headless runs store a static picture beside each figure (mhc_lab.course.display), for viewers without
+    JavaScript (GitHub, nbconvert's HTML); a value the caller set is kept."""
+    from mhc_lab.course.display import SWITCH
+
+    before = os.environ.get(SWITCH)
+    os.environ.setdefault(SWITCH, "on")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SWITCH, None)
+
+
 def execute_with_papermill(source: Path, target: Path, parameters: dict, *, timeout: int = 900,
                            allow_errors: bool = False) -> dict:
     """Run one notebook with papermill; returns {"seconds", "errors", "passed", "ok"} (never raises on a
@@ -43,10 +61,11 @@ def execute_with_papermill(source: Path, target: Path, parameters: dict, *, time
     start = time.perf_counter()
     failure = None
     try:
-        papermill.execute_notebook(
-            str(source), str(target), parameters=parameters, cwd=str(source.parent), kernel_name="python3",
-            progress_bar=False, execution_timeout=timeout, report_mode=False, log_output=False,
-        )
+        with pictures_on():
+            papermill.execute_notebook(
+                str(source), str(target), parameters=parameters, cwd=str(source.parent), kernel_name="python3",
+                progress_bar=False, execution_timeout=timeout, report_mode=False, log_output=False,
+            )
     except Exception as error:  # papermill raises PapermillExecutionError on the first failing cell
         failure = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
     seconds = time.perf_counter() - start
@@ -119,7 +138,8 @@ def refresh_solution(path: Path, timeout: int = 900) -> None:
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                             resources={"metadata": {"path": str(Path(path).parent)}})
-    client.execute()
+    with pictures_on():
+        client.execute()
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
     Path(path).write_text(nbformat.writes(nb, version=4) + "\n")

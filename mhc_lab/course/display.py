@@ -27,7 +27,9 @@ RENDERER = "mhc_lab"
 DEFAULT_WIDTH, DEFAULT_HEIGHT = 700, 450
 # Longest wait for one picture; the first one of a kernel also starts the browser.
 RENDER_TIMEOUT_S = 90
-# "off" in the environment: no browser, no pictures (the one-line reason instead).
+# "on" in the environment (headless runs: mhc_lab.classroom.runner sets it): a picture beside each figure; else
+# no browser and no picture (the one-line reason instead), as in JupyterLab, where a bundled PNG can keep
+# JupyterLab's plotly renderer from drawing the interactive figure.
 SWITCH = "MHC_LAB_STATIC_FIGURES"
 
 
@@ -69,8 +71,9 @@ class StaticPictures:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def _start(self) -> None:
-        if os.environ.get(SWITCH, "").lower() == "off":
-            raise RuntimeError(f"turned off by {SWITCH}=off")
+        if os.environ.get(SWITCH, "").lower() != "on":
+            raise RuntimeError(f"drawn only where a notebook is executed headless ({SWITCH}=on): JupyterLab "
+                               "shows the interactive figure")
         try:
             import kaleido
         except ImportError:
