@@ -47,8 +47,9 @@ def setup(SIZE: str = "small", DEVICE: str = "auto", SEED: int = 0, quiet: bool 
     returns a LabConfig.
 
     Plot renderer: every plotly figure then shows as one output with the interactive figure, which JupyterLab
-    shows, and a PNG of it, which viewers that run no JavaScript show (GitHub, nbconvert's HTML); where no PNG
-    can be drawn, those viewers show one line saying why instead (mhc_lab.course.display).
+    shows, and, where the notebook runs headless (mhc-lab run, refresh-solutions), a PNG of it, which viewers
+    that run no JavaScript show (GitHub, nbconvert's HTML); elsewhere those viewers show one line saying why
+    there is no picture (mhc_lab.course.display).
 
     Extra keyword arguments are lab parameters that define a variant (``setup(SIZE, DEVICE, SEED, n=n, C=C)``);
     they and SEED are recorded for the checks (checks.variant()), so a value answer depends on the variant.
