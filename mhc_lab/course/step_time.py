@@ -63,27 +63,9 @@ def _median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-# What each of the chained block's own kernels does, by its name in the profiler (mhc_lab.kernels; docs/kernels.md
-# has each one's plan).
-KERNEL_NAMES = {
-    "lanes_backward_cuda_post_grad_kernel": "pre backward 2: dx, dphi",
-    "post_backward_without_dx_kernel": "post backward",
-    "post_project_cuda_kernel": "post + next projection",
-    "mix_lanes_kernel": "pre apply: lane mix",
-    "post_cuda_kernel": "post (the last site)",
-    "dpre_reduce_kernel": "pre backward 1: dH_pre stream",
-    "project_kernel": "pre projection (the first site)",
-    "coefficients_backward_tokens_kernel": "pre backward 1: per token",
-    "pre_backward_sums_kernel": "pre backward: parameter sums",
-    "token_coefficients_kernel": "pre apply: coefficients",
-    "phi_split_kernel": "phi into bf16 hi + lo",
-}
-
-
 def kernel_name(name: str) -> str:
-    """A kernel's name for the tables: what it does where known, else the profiler's name, short."""
-    if name in KERNEL_NAMES:
-        return KERNEL_NAMES[name]
+    """A kernel's name for the tables: what it does where known (training_recorded.KERNEL_NAMES), else the
+    profiler's name, short."""
     if "FillFunctor" in name:
         return "torch: a fill"
     return kernel_label(name)
